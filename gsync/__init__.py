@@ -1,0 +1,33 @@
+"""gsync: an asyncio, actor-style gradient synchronization engine for PyTorch data-parallel training."""
+
+from .comm.base import Collective as Collective
+from .comm.local import LocalCollective as LocalCollective
+from .engine import Engine as Engine
+from .engine import FitResult as FitResult
+from .engine import FitStats as FitStats
+from .errors import ConfigError as ConfigError
+from .errors import FitError as FitError
+from .errors import GsyncError as GsyncError
+from .errors import InputTypeError as InputTypeError
+from .errors import MailboxClosed as MailboxClosed
+from .errors import SyncFailed as SyncFailed
+from .errors import SyncTimeout as SyncTimeout
+from .errors import WorkerFailed as WorkerFailed
+from .feeder import DataFailed as DataFailed
+
+__all__ = (
+    "Collective",
+    "ConfigError",
+    "DataFailed",
+    "Engine",
+    "FitError",
+    "FitResult",
+    "FitStats",
+    "GsyncError",
+    "InputTypeError",
+    "LocalCollective",
+    "MailboxClosed",
+    "SyncFailed",
+    "SyncTimeout",
+    "WorkerFailed",
+)

@@ -1,0 +1,149 @@
+"""The bridge between the event loop and gsync's own OS threads.
+
+gsync runs heavy work (forward, backward, optimizer steps, reductions) in
+threads it owns, one per job stream, rather than in anyio's shared thread
+pool: the threads end when ``fit`` ends, so nothing of gsync outlives it.
+Threads report back by scheduling a callback on the loop; they never block on
+the loop and the loop never blocks on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+__all__ = ("LoopHandle", "Outcome", "WorkerThread")
+
+
+class LoopHandle:
+    """Schedules callbacks on the event loop that created it, from any thread."""
+
+    def __init__(self) -> None:
+        try:
+            self._call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon_threadsafe
+        except RuntimeError:
+            # Not asyncio: anyio's only other backend is trio.
+            import trio
+
+            self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
+
+    def call_soon(self, callback: Callable[..., object], *args: object) -> bool:
+        """Schedule ``callback(*args)`` on the loop; ``False`` when the loop is already closed."""
+        try:
+            self._call_soon(callback, *args)
+        except RuntimeError:
+            return False
+        return True
+
+
+class Outcome(Generic[T]):
+    """The result of a job run in a worker thread: a value or the exception it raised."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: T | None = None, error: BaseException | None = None) -> None:
+        self.value = value
+        self.error = error
+
+    def unwrap(self) -> T:
+        if self.error is not None:
+            raise self.error
+        return self.value  # type: ignore[return-value]
+
+
+_STOP = object()
+
+
+class WorkerThread:
+    """One daemon OS thread that runs submitted jobs one at a time, in submission order.
+
+    Jobs cannot be interrupted from outside: cancelling the awaiting task leaves
+    the current job running. Callers that need jobs to stop early give them a
+    flag to poll (gsync's gradient hooks poll the engine's abort flag).
+    """
+
+    def __init__(self, name: str, loop: LoopHandle) -> None:
+        self.name = name
+        self._loop = loop
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._exited = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                job = self._jobs.get()
+                if job is _STOP:
+                    return
+                job()
+        finally:
+            self._exited.set()
+
+    def submit(self, fn: Callable[[], T], on_done: Callable[[Outcome[T]], object]) -> None:
+        """Run ``fn()`` in the thread, then ``on_done(outcome)`` on the event loop.
+
+        ``on_done`` is dropped silently if the loop has closed by then: nobody
+        is left to receive it.
+        """
+
+        def job() -> None:
+            try:
+                outcome: Outcome[T] = Outcome(value=fn())
+            except BaseException as error:  # noqa: BLE001 - handed to the loop, never swallowed
+                outcome = Outcome(error=error)
+            self._loop.call_soon(on_done, outcome)
+
+        self._jobs.put(job)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` in the thread and return its result (or raise its exception).
+
+        If the awaiting task is cancelled, the job keeps running to its end in
+        the thread and its result is discarded.
+        """
+        done = anyio.Event()
+        box: list[Outcome[T]] = []
+
+        def finish(outcome: Outcome[T]) -> None:
+            box.append(outcome)
+            done.set()
+
+        self.submit(fn, finish)
+        await done.wait()
+        return box[0].unwrap()
+
+    def stop(self) -> None:
+        """Let the thread exit after the jobs already submitted."""
+        self._jobs.put(_STOP)
+
+    @property
+    def alive(self) -> bool:
+        return not self._exited.is_set()
+
+    async def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to exit, without blocking the loop.
+
+        Shielded from cancellation, so cleanup still waits when ``fit`` is
+        being cancelled. Returns whether the thread has exited.
+        """
+        if self._exited.is_set():
+            return True
+        exited = anyio.Event()
+
+        def watch() -> None:
+            if self._exited.wait(timeout):
+                self._loop.call_soon(exited.set)
+
+        watcher = threading.Thread(target=watch, name=f"{self.name}-join", daemon=True)
+        watcher.start()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout + 0.05):
+            await exited.wait()
+        return self._exited.is_set()

@@ -1,0 +1,177 @@
+"""Gradient buckets: which parameter lives in which flat buffer, and where.
+
+The plan follows PyTorch DDP's reducer: parameters that require grad, in
+reverse registration order (roughly the order backward produces their
+gradients), grouped by dtype, filled into buckets up to a small first-bucket
+size and then up to the cap. Every replica (and every rank) uses the same
+plan, so bucket ``b`` means the same bytes everywhere.
+
+Each replica's ``.grad`` tensors are views into its bucket buffers
+(DDP's ``gradient_as_bucket_view``): backward accumulates straight into the
+bucket, and reducing a bucket copies no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = ("Bucket", "BucketPlan", "ReplicaGrads", "Readiness")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    dtype: torch.dtype
+    params: tuple[int, ...]
+    """Global parameter indices, in the order they are laid out in the buffer."""
+    offsets: tuple[int, ...]
+    numel: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    names: tuple[str, ...]
+    """Names of the parameters that require grad, in registration order; a parameter's index is its position here."""
+    shapes: tuple[torch.Size, ...]
+    dtypes: tuple[torch.dtype, ...]
+    buckets: tuple[Bucket, ...]
+    bucket_of: tuple[int, ...]
+    """Parameter index -> index of the bucket that holds it."""
+
+    @classmethod
+    def build(
+        cls,
+        named_params: Sequence[tuple[str, torch.Tensor]],
+        first_bucket_bytes: int,
+        bucket_cap_bytes: int,
+        order: Sequence[int] | None = None,
+    ) -> BucketPlan:
+        """Assign parameters to buckets.
+
+        ``order`` is the parameter order to fill buckets in (for instance the
+        order gradients were observed to become ready); by default reverse
+        registration order.
+
+        :raises ~gsync.ConfigError: if no parameter requires grad.
+        """
+        if not named_params:
+            raise ConfigError(
+                "the model has no parameter that requires grad: there is nothing to train "
+                "(check requires_grad, or that the model was not frozen)"
+            )
+        names = tuple(name for name, _ in named_params)
+        shapes = tuple(p.shape for _, p in named_params)
+        dtypes = tuple(p.dtype for _, p in named_params)
+        fill_order = list(reversed(range(len(names)))) if order is None else list(order)
+        if sorted(fill_order) != list(range(len(names))):
+            raise ConfigError("bucket order must name every trainable parameter exactly once")
+
+        open_buckets: dict[torch.dtype, list[int]] = {}
+        open_bytes: dict[torch.dtype, int] = {}
+        limits: dict[torch.dtype, int] = {}
+        closed: list[list[int]] = []
+        for index in fill_order:
+            dtype = dtypes[index]
+            size = named_params[index][1].numel() * named_params[index][1].element_size()
+            members = open_buckets.setdefault(dtype, [])
+            limit = limits.setdefault(dtype, first_bucket_bytes)
+            if members and open_bytes[dtype] + size > limit:
+                closed.append(members)
+                members = open_buckets[dtype] = []
+                open_bytes[dtype] = 0
+                limits[dtype] = bucket_cap_bytes
+            members.append(index)
+            open_bytes[dtype] = open_bytes.get(dtype, 0) + size
+        closed.extend(members for members in open_buckets.values() if members)
+        # Buckets are numbered by when their first member becomes ready, so the
+        # server launches them in the order backward completes them.
+        position = {param: pos for pos, param in enumerate(fill_order)}
+        closed.sort(key=lambda members: position[members[0]])
+
+        buckets = []
+        bucket_of = [0] * len(names)
+        for bucket_index, members in enumerate(closed):
+            offsets, cursor = [], 0
+            for param in members:
+                offsets.append(cursor)
+                cursor += shapes[param].numel()
+                bucket_of[param] = bucket_index
+            buckets.append(Bucket(bucket_index, dtypes[members[0]], tuple(members), tuple(offsets), cursor))
+        return cls(names, shapes, dtypes, tuple(buckets), tuple(bucket_of))
+
+
+class ReplicaGrads:
+    """One replica's bucket buffers, with its parameters' ``.grad`` set to views into them."""
+
+    def __init__(self, plan: BucketPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
+        self.flats = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in plan.buckets]
+        self.views: list[torch.Tensor] = [torch.empty(0)] * len(plan.names)
+        for bucket, flat in zip(plan.buckets, self.flats):
+            for param, offset in zip(bucket.params, bucket.offsets):
+                shape = plan.shapes[param]
+                self.views[param] = flat[offset : offset + shape.numel()].view(shape)
+        self.params = list(params)
+        self.attach()
+
+    def attach(self) -> None:
+        for param, view in zip(self.params, self.views):
+            param.grad = view
+
+    def zero_(self) -> None:
+        for flat in self.flats:
+            flat.zero_()
+
+    def is_attached(self, param: int) -> bool:
+        return self.params[param].grad is self.views[param]
+
+
+class Readiness:
+    """Counts, per bucket, the parameters whose gradient is final in the current step.
+
+    Used from the thread where backward runs; not thread-safe on its own.
+    """
+
+    def __init__(self, plan: BucketPlan) -> None:
+        self._sizes = [len(b.params) for b in plan.buckets]
+        self._bucket_of = plan.bucket_of
+        self._members = [b.params for b in plan.buckets]
+        self.reset()
+
+    def reset(self) -> None:
+        self.remaining = list(self._sizes)
+        self.fired = bytearray(len(self._bucket_of))
+        self.order: list[int] = []
+
+    def mark(self, param: int) -> int | None:
+        """Record that ``param``'s gradient is final; return its bucket if that completed it.
+
+        :raises ~gsync.ConfigError: if ``param`` already fired this step.
+        """
+        if self.fired[param]:
+            raise ConfigError(
+                f"parameter {param} received its gradient twice in one step; gsync reduces each gradient once "
+                "per step, so backward must reach each parameter once (reentrant activation checkpointing "
+                "does not: use torch.utils.checkpoint(..., use_reentrant=False))"
+            )
+        self.fired[param] = 1
+        self.order.append(param)
+        bucket = self._bucket_of[param]
+        self.remaining[bucket] -= 1
+        return bucket if self.remaining[bucket] == 0 else None
+
+    def unfinished(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Buckets not yet complete, each with the parameters that never fired."""
+        return [
+            (bucket, tuple(p for p in self._members[bucket] if not self.fired[p]))
+            for bucket, remaining in enumerate(self.remaining)
+            if remaining
+        ]

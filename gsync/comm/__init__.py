@@ -1,0 +1,6 @@
+"""Gradient transports: every one implements :class:`Collective`."""
+
+from .base import Collective as Collective
+from .local import LocalCollective as LocalCollective
+
+__all__ = ("Collective", "LocalCollective")

@@ -1,0 +1,48 @@
+"""The one protocol every gradient transport implements.
+
+Keeping it to two operations is deliberate: each implementation (in-process
+CPU, NCCL, torch.distributed) implements all of it and passes the same
+conformance suite (``tests/comm/test_conformance.py``), so no backend can leave
+an operation unimplemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+__all__ = ("Collective",)
+
+
+@runtime_checkable
+class Collective(Protocol):
+    """Moves gradient bytes between the local devices (and, for some, other processes).
+
+    Methods are blocking and are called from gsync's communication thread,
+    never from the event loop, one call at a time, in the same order on every
+    process. ``tensors[i]`` always belongs to local device ``i``.
+    """
+
+    @property
+    def world_devices(self) -> int:
+        """The number of devices across all processes."""
+        ...
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """Replace every tensor with the weighted sum over all devices, in place.
+
+        ``weights[i]`` is local device ``i``'s weight; devices of other
+        processes bring their own. Each term is scaled before summing, so
+        low-precision buffers do not overflow.
+        """
+        ...
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite every tensor with the first device's (global device 0), in place."""
+        ...
+
+    def close(self) -> None:
+        """Release what this collective created. Idempotent."""
+        ...

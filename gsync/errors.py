@@ -1,0 +1,128 @@
+"""Every exception gsync raises on purpose.
+
+Each one says what went wrong and where (device, step, bucket), and the ones
+raised from ``fit`` keep the original exception as ``__cause__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import time
+from typing import Any
+
+__all__ = (
+    "GsyncError",
+    "ConfigError",
+    "InputTypeError",
+    "MailboxClosed",
+    "FitError",
+    "WorkerFailed",
+    "SyncFailed",
+    "SyncTimeout",
+)
+
+
+class GsyncError(Exception):
+    """Base class of every error gsync raises on purpose."""
+
+
+class ConfigError(GsyncError, ValueError):
+    """A configuration or input value gsync cannot work with.
+
+    Raised before any training work starts; the message says what to change.
+    """
+
+
+class InputTypeError(GsyncError, TypeError):
+    """An input of the wrong type (a batch, a loss, an optimizer factory's result)."""
+
+
+class MailboxClosed(GsyncError, RuntimeError):
+    """A message was posted to an actor's mailbox after that actor received ``Close``."""
+
+    def __init__(self, owner: str, message: object) -> None:
+        super().__init__(f"mailbox of {owner} is closed; {message!r} was not delivered")
+        self.owner = owner
+        self.message = message
+
+
+class FitError(GsyncError, RuntimeError):
+    """Base class of the errors that end a ``fit`` midway.
+
+    ``last_step`` is the last step (0-based) that completed on every device, or
+    ``None`` when none did; ``checkpoint`` holds the model and optimizer state
+    as of that step (see :class:`gsync.Checkpoint`), so no consistent work is lost.
+    """
+
+    last_step: int | None = None
+    checkpoint: Any = None
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.at = time.monotonic()
+        """When the failure was detected (``time.monotonic()``): ``fit`` reports the earliest."""
+
+
+class WorkerFailed(FitError):
+    """Training code raised on one device; the original exception is ``__cause__``.
+
+    ``others`` lists the failures of further devices that failed before their
+    peers were cancelled, earliest first.
+    """
+
+    def __init__(self, device: str, device_index: int, step: int, site: str) -> None:
+        super().__init__(f"worker on device {device} (index {device_index}) failed at step {step} during {site}")
+        self.device = device
+        self.device_index = device_index
+        self.step = step
+        self.site = site
+        self.others: tuple[FitError, ...] = ()
+
+
+class SyncFailed(FitError):
+    """The collective that reduces a bucket (or broadcasts buffers) raised; the cause is ``__cause__``.
+
+    ``bucket`` is ``None`` when the buffer broadcast failed rather than a bucket reduction.
+    """
+
+    def __init__(self, step: int, bucket: int | None, detail: str = "") -> None:
+        what = "buffer broadcast" if bucket is None else f"all-reduce of bucket {bucket}"
+        super().__init__(f"{what} failed at step {step}" + (f": {detail}" if detail else ""))
+        self.step = step
+        self.bucket = bucket
+        self.others: tuple[FitError, ...] = ()
+
+
+class SyncTimeout(FitError, TimeoutError):
+    """A step did not complete within ``sync_timeout`` seconds.
+
+    ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
+    ``unreduced`` the buckets that were ready everywhere but whose reduction
+    never finished; ``stalled_devices`` the device names involved.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        timeout: float,
+        missing: Sequence[tuple[str, int]] = (),
+        unreduced: Sequence[int] = (),
+        stalled_devices: Sequence[str] = (),
+        phase: str = "gradient sync",
+    ) -> None:
+        self.step = step
+        self.timeout = timeout
+        self.missing = tuple(missing)
+        self.unreduced = tuple(unreduced)
+        self.stalled_devices = tuple(stalled_devices) or tuple(dict.fromkeys(d for d, _ in self.missing))
+        parts = [f"step {step} did not complete its {phase} within {timeout:g} s"]
+        if self.stalled_devices:
+            parts.append(f"stalled devices: {', '.join(self.stalled_devices)}")
+        if self.missing:
+            shown = ", ".join(f"({d}, bucket {b})" for d, b in self.missing[:16])
+            more = f" and {len(self.missing) - 16} more" if len(self.missing) > 16 else ""
+            parts.append(f"buckets never ready: {shown}{more}")
+        if self.unreduced:
+            parts.append(f"buckets whose all-reduce never finished: {list(self.unreduced)}")
+        super().__init__("; ".join(parts))
+        self.others: tuple[FitError, ...] = ()

@@ -1,0 +1,129 @@
+"""The feeder: reads global batches, splits them, and hands each device its shard.
+
+It validates each batch before dispatching it, announces the step to the sync
+server (``StepDispatched``, with every device's row count, from which the
+reduction weights follow), then sends the shards. Device streams hold one
+shard, so data for step ``s+1`` is prepared while step ``s`` trains.
+
+Synchronous iterables other than lists and tuples (a ``DataLoader``, a
+generator) are advanced in a worker thread, so slow data loading never blocks
+the event loop. Async iterables are awaited directly.
+"""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from collections.abc import AsyncIterable, Iterable, Sequence
+from typing import Any
+
+from anyio.abc import ObjectSendStream
+
+from ._threads import LoopHandle, WorkerThread
+from .actor import Shard
+from .batches import batch_rows, shard_rows, split_batch
+from .errors import ConfigError, GsyncError
+from .mailbox import Mailbox
+from .messages import Close, ServerMessage, StepDispatched
+
+__all__ = ("Feeder", "DataFailed")
+
+
+class DataFailed(GsyncError, RuntimeError):
+    """Iterating the user's ``data`` raised; the original exception is ``__cause__``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"reading the batch of step {step} from data failed")
+        self.step = step
+
+
+_END = object()
+
+
+class Feeder:
+    def __init__(
+        self,
+        *,
+        data: Iterable[Any] | AsyncIterable[Any],
+        epochs: int,
+        server: Mailbox[ServerMessage],
+        shard_streams: Sequence[ObjectSendStream[Shard]],
+        loop: LoopHandle,
+        first_step: int = 0,
+    ) -> None:
+        self._data = data
+        self._epochs = epochs
+        self._server = server
+        self._streams = shard_streams
+        self._loop = loop
+        self._first_step = first_step
+        self.worker: WorkerThread | None = None
+        self.steps_dispatched = 0
+
+    async def run(self) -> None:
+        """Dispatch every batch of every epoch, then post ``Close`` to the server.
+
+        :raises ~gsync.ConfigError: for an epoch with no batch or an invalid batch.
+        :raises ~gsync.DataFailed: when iterating ``data`` raises.
+        """
+        step = self._first_step
+        try:
+            for epoch in range(self._epochs):
+                batches = 0
+                async with aclosing(self._batches(step)) as batches_of_epoch:
+                    async for batch in batches_of_epoch:
+                        await self._dispatch(step, batch)
+                        step += 1
+                        batches += 1
+                if batches == 0:
+                    raise ConfigError(
+                        "data yielded no batch" if epoch == 0
+                        else f"data yielded no batch in epoch {epoch}: pass a re-iterable (a list or a DataLoader), not a one-shot iterator"
+                    )
+            self._server.post(Close("end of data"))
+        finally:
+            for stream in self._streams:
+                stream.close()
+            if self.worker is not None:
+                self.worker.stop()
+
+    async def _dispatch(self, step: int, batch: Any) -> None:
+        rows = batch_rows(batch, step)
+        counts = shard_rows(rows, len(self._streams))
+        self._server.post(StepDispatched(step, tuple(counts)))
+        self.steps_dispatched += 1
+        for stream, shard, count in zip(self._streams, split_batch(batch, len(self._streams)), counts):
+            await stream.send(Shard(step, count, rows, shard))
+
+    async def _batches(self, step: int) -> Any:
+        """Yield the batches of one epoch; a failure of the user's iterable becomes :class:`DataFailed`."""
+        data = self._data
+        if isinstance(data, (list, tuple)):
+            for batch in data:
+                yield batch
+            return
+        if isinstance(data, AsyncIterable):
+            iterator = aiter(data)
+            pull = iterator.__anext__
+        else:
+            if self.worker is None:
+                self.worker = WorkerThread("gsync-data", self._loop)
+            worker = self.worker
+            sync_iterator = await worker.run(lambda: iter(data))
+
+            async def pull() -> Any:
+                batch = await worker.run(lambda: next(sync_iterator, _END))
+                if batch is _END:
+                    raise StopAsyncIteration
+                return batch
+
+        while True:
+            try:
+                batch = await pull()
+            except StopAsyncIteration:
+                return
+            except GsyncError:
+                raise
+            except Exception as error:
+                raise DataFailed(step) from error
+            yield batch
+            step += 1

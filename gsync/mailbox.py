@@ -1,0 +1,89 @@
+"""Typed mailboxes: how messages reach an actor.
+
+A mailbox is an unbounded FIFO of one message union. Posting never blocks:
+the protocol bounds what is in flight (devices x buckets messages per step),
+so backpressure would only add latency. Messages posted from a worker thread
+or a gradient hook are appended on the event loop, in posting order.
+
+Closing is explicit. ``close()`` is called by the owner after it has received
+``Close``; posting afterwards raises :class:`~gsync.MailboxClosed` in the
+poster, and a reader of a closed, drained mailbox gets the same error instead
+of waiting forever. Nothing is ever dropped under a reader that is still
+reading.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Generic, TypeVar
+
+import anyio
+
+from ._threads import LoopHandle
+from .errors import MailboxClosed
+
+M = TypeVar("M")
+
+__all__ = ("Mailbox",)
+
+
+class Mailbox(Generic[M]):
+    def __init__(self, owner: str, loop: LoopHandle) -> None:
+        self.owner = owner
+        self._loop = loop
+        self._send, self._receive = anyio.create_memory_object_stream[M](math.inf)
+        self._closed = False
+        self.posted = 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def post(self, message: M) -> None:
+        """Deliver ``message`` now. Call from the event loop.
+
+        :raises ~gsync.MailboxClosed: if the mailbox was closed.
+        """
+        if self._closed:
+            raise MailboxClosed(self.owner, message)
+        self.posted += 1
+        self._send.send_nowait(message)
+
+    def try_post(self, message: M) -> bool:
+        """Like :meth:`post`, but returns ``False`` instead of raising when closed.
+
+        For callbacks whose recipient may legitimately be gone (a reduction
+        finishing after ``fit`` was cancelled).
+        """
+        if self._closed:
+            return False
+        self.post(message)
+        return True
+
+    def post_threadsafe(self, message: M) -> None:
+        """Deliver ``message`` from any thread; it is appended on the event loop.
+
+        :raises ~gsync.MailboxClosed: if the mailbox is closed or its loop has stopped.
+        """
+        if self._closed or not self._loop.call_soon(self.try_post, message):
+            raise MailboxClosed(self.owner, message)
+
+    async def receive(self) -> M:
+        """Wait for the next message.
+
+        :raises ~gsync.MailboxClosed: if the mailbox is closed and empty.
+        """
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise MailboxClosed(self.owner, "<receive>") from None
+
+    def close(self) -> None:
+        """Refuse further posts; messages already queued can still be received."""
+        self._closed = True
+        self._send.close()
+
+    def discard(self) -> None:
+        """Close both ends, dropping whatever is queued. For teardown only."""
+        self.close()
+        self._receive.close()

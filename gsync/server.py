@@ -1,0 +1,172 @@
+"""The sync server: one coroutine that turns bucket readiness into reductions.
+
+For each step the feeder dispatched, the server counts ``BucketReady``
+messages. As soon as bucket ``b`` is ready on every device, and every bucket
+before it has been launched, it submits ``b``'s all-reduce to the
+communication thread: strictly in bucket order, so every process issues the
+same collectives in the same order, and while backward is still producing
+later buckets. When every bucket is reduced (and buffers are broadcast) it
+posts ``StepSynced`` to each device.
+
+A step that does not complete within ``sync_timeout`` seconds of the server
+starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from functools import partial
+
+import anyio
+
+from ._threads import LoopHandle, Outcome, WorkerThread
+from .buckets import BucketPlan, ReplicaGrads
+from .buffers import BufferSync
+from .comm.base import Collective
+from .errors import SyncFailed, SyncTimeout
+from .mailbox import Mailbox
+from .messages import (
+    BucketReady,
+    BucketReduced,
+    BuffersSynced,
+    Close,
+    CommFailed,
+    DeviceMessage,
+    ServerMessage,
+    StepDispatched,
+    StepSynced,
+)
+
+__all__ = ("SyncServer",)
+
+_BUFFERS = -1
+
+
+class SyncServer:
+    def __init__(
+        self,
+        *,
+        mailbox: Mailbox[ServerMessage],
+        plan: BucketPlan,
+        device_names: Sequence[str],
+        grads: Sequence[ReplicaGrads],
+        buffers: BufferSync,
+        collective: Collective,
+        device_mailboxes: Sequence[Mailbox[DeviceMessage]],
+        loop: LoopHandle,
+        sync_timeout: float,
+    ) -> None:
+        self.mailbox = mailbox
+        self.comm = WorkerThread("gsync-comm", loop)
+        self.bucket_ready_received = 0
+        self.steps_synced = 0
+        self._plan = plan
+        self._device_names = list(device_names)
+        self._grads = grads
+        self._buffers = buffers
+        self._collective = collective
+        self._devices = device_mailboxes
+        self._timeout = sync_timeout
+        self._backlog: deque[ServerMessage] = deque()
+        self._comm_errors: dict[tuple[int, int], BaseException] = {}
+
+    async def run(self) -> None:
+        """Serve steps until ``Close`` arrives and every dispatched step is synced, then close every device.
+
+        :raises ~gsync.SyncTimeout: when a step stalls.
+        :raises ~gsync.SyncFailed: when a collective raises.
+        """
+        try:
+            while True:
+                message = self._backlog.popleft() if self._backlog else await self.mailbox.receive()
+                match message:
+                    case StepDispatched():
+                        await self._sync_step(message)
+                    case Close():
+                        for mailbox in self._devices:
+                            mailbox.post(Close("end of data"))
+                        return
+                    case _:
+                        raise SyncFailed(-1, None, f"protocol error: {message!r} outside any step")
+        finally:
+            self.mailbox.close()
+
+    async def _sync_step(self, dispatched: StepDispatched) -> None:
+        step = dispatched.step
+        total_rows = sum(dispatched.rows)
+        weights = [rows / total_rows for rows in dispatched.rows]
+        num_buckets = len(self._plan.buckets)
+        num_devices = len(self._devices)
+        arrived = [bytearray(num_devices) for _ in range(num_buckets)]
+        ready_count = [0] * num_buckets
+        unused: list[set[int] | None] = [None] * num_buckets
+        next_launch = 0
+        reduced = 0
+        buffers_done = self._buffers.empty
+
+        with anyio.move_on_after(self._timeout) as deadline:
+            while reduced < num_buckets or not buffers_done:
+                message = await self.mailbox.receive()
+                match message:
+                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
+                        self._expect_step(step, at, message)
+                        self.bucket_ready_received += 1
+                        arrived[bucket][device] = 1
+                        ready_count[bucket] += 1
+                        unused[bucket] = set(missing) if unused[bucket] is None else unused[bucket] & set(missing)  # type: ignore[operator]
+                        while next_launch < num_buckets and ready_count[next_launch] == num_devices:
+                            self._launch(step, next_launch, weights)
+                            next_launch += 1
+                    case BucketReduced(step=at):
+                        self._expect_step(step, at, message)
+                        reduced += 1
+                        if reduced == num_buckets and not buffers_done:
+                            self._submit(step, _BUFFERS, partial(self._buffers.broadcast, self._collective))
+                    case BuffersSynced(step=at):
+                        self._expect_step(step, at, message)
+                        buffers_done = True
+                    case CommFailed(step=at, bucket=bucket):
+                        error = self._comm_errors.pop((at, bucket))
+                        raise SyncFailed(at, None if bucket == _BUFFERS else bucket) from error
+                    case StepDispatched() | Close():
+                        self._backlog.append(message)
+        if deadline.cancelled_caught:
+            missing_pairs = [
+                (self._device_names[device], bucket)
+                for bucket in range(num_buckets)
+                for device in range(num_devices)
+                if not arrived[bucket][device]
+            ]
+            unreduced = list(range(reduced, next_launch))
+            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced)
+
+        no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
+        self.steps_synced += 1
+        for mailbox in self._devices:
+            mailbox.post(StepSynced(step, no_gradient))
+
+    def _expect_step(self, step: int, at: int, message: ServerMessage) -> None:
+        if at != step:
+            raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
+
+    def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
+        flats = [grads.flats[bucket] for grads in self._grads]
+        self._submit(step, bucket, partial(self._collective.all_reduce, flats, weights))
+
+    def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
+        self.comm.submit(job, partial(self._on_comm_done, step, bucket))
+
+    def _on_comm_done(self, step: int, bucket: int, outcome: Outcome[None]) -> None:
+        # Runs on the loop after the server may already be gone (fit cancelled):
+        # try_post, so a late completion is dropped instead of raising in a callback.
+        if outcome.error is not None:
+            self._comm_errors[(step, bucket)] = outcome.error
+            self.mailbox.try_post(CommFailed(step, bucket))
+        elif bucket == _BUFFERS:
+            self.mailbox.try_post(BuffersSynced(step))
+        else:
+            self.mailbox.try_post(BucketReduced(step, bucket))
+
+    def close(self) -> None:
+        self.comm.stop()
