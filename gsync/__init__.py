@@ -14,6 +14,8 @@ from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
 from .errors import WorkerFailed as WorkerFailed
 from .feeder import DataFailed as DataFailed
+from .trace import Trace as Trace
+from .trace import TraceEvent as TraceEvent
 
 __all__ = (
     "Collective",
@@ -29,5 +31,7 @@ __all__ = (
     "MailboxClosed",
     "SyncFailed",
     "SyncTimeout",
+    "Trace",
+    "TraceEvent",
     "WorkerFailed",
 )

@@ -74,6 +74,7 @@ class WorkerThread:
         self._loop = loop
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
+        self._exit_seen = anyio.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
@@ -86,6 +87,7 @@ class WorkerThread:
                 job()
         finally:
             self._exited.set()
+            self._loop.call_soon(self._exit_seen.set)
 
     def submit(self, fn: Callable[[], T], on_done: Callable[[Outcome[T]], object]) -> None:
         """Run ``fn()`` in the thread, then ``on_done(outcome)`` on the event loop.
@@ -134,16 +136,10 @@ class WorkerThread:
         Shielded from cancellation, so cleanup still waits when ``fit`` is
         being cancelled. Returns whether the thread has exited.
         """
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            await self._exit_seen.wait()
         if self._exited.is_set():
+            # The thread has run its last line; this join returns at once.
+            self._thread.join()
             return True
-        exited = anyio.Event()
-
-        def watch() -> None:
-            if self._exited.wait(timeout):
-                self._loop.call_soon(exited.set)
-
-        watcher = threading.Thread(target=watch, name=f"{self.name}-join", daemon=True)
-        watcher.start()
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout + 0.05):
-            await exited.wait()
-        return self._exited.is_set()
+        return False

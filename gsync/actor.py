@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from .buckets import BucketPlan, Readiness, ReplicaGrads
 from .devices import DeviceSpec
 from .errors import ConfigError, GsyncError, InputTypeError, SyncFailed, WorkerFailed
 from .mailbox import Mailbox
+from .trace import Trace
 from .messages import BucketReady, Close, DeviceMessage, ServerMessage, StepSynced
 
 __all__ = ("Shard", "DeviceActor", "FitAborted")
@@ -63,6 +65,7 @@ class DeviceActor:
         server: Mailbox[ServerMessage],
         loop: LoopHandle,
         abort: threading.Event,
+        trace: Trace | None = None,
         on_site: StepObserver | None = None,
     ) -> None:
         self.index = index
@@ -83,6 +86,7 @@ class DeviceActor:
         self._server = server
         self._abort = abort
         self._on_site = on_site
+        self._trace = trace
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
             for position, param in enumerate(self.params)
@@ -105,10 +109,14 @@ class DeviceActor:
 
         return on_grad_ready
 
-    def _enter(self, site: str) -> None:
+    def _enter(self, site: str) -> AbstractContextManager[None]:
+        """Mark the start of a phase; the returned context times it when tracing."""
         self.site = site
         if self._on_site is not None:
             self._on_site(self.step, site)
+        if self._trace is None:
+            return nullcontext()
+        return self._trace.span(site, self.step, self.index)
 
     def _forward_backward(self, shard: Shard) -> float | None:
         self.step = shard.step
@@ -121,11 +129,11 @@ class DeviceActor:
             # as unused (all zeros) and is weighted zero in the reduction.
             self._post_unfinished()
             return None
-        self._enter("forward")
-        loss = self._loss_fn(self.replica, data)
-        self._check_loss(loss)
-        self._enter("backward")
-        loss.backward()
+        with self._enter("forward"):
+            loss = self._loss_fn(self.replica, data)
+            self._check_loss(loss)
+        with self._enter("backward"):
+            loss.backward()
         self._post_unfinished()
         return loss.item()
 
@@ -149,13 +157,13 @@ class DeviceActor:
             self._server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
 
     def _apply(self, unused: tuple[int, ...]) -> None:
-        self._enter("optimizer")
         # A parameter no device used must look untouched to the optimizer
         # (grad None), exactly as in one-process training.
         for position in unused:
             self.params[position].grad = None
         try:
-            self.optimizer.step()
+            with self._enter("optimizer"):
+                self.optimizer.step()
         finally:
             for position in unused:
                 self.params[position].grad = self.grads.views[position]

@@ -30,6 +30,7 @@ from .feeder import Feeder
 from .mailbox import Mailbox
 from .messages import ServerMessage
 from .server import SyncServer
+from .trace import Trace
 
 __all__ = ("Engine", "FitResult", "FitStats")
 
@@ -57,6 +58,8 @@ class FitResult:
     losses: list[float]
     """The global mean loss of each optimizer step."""
     stats: FitStats = field(default_factory=FitStats)
+    trace: Trace | None = None
+    """The timeline of the fit, when the engine was built with ``trace=True``."""
 
 
 def _positive(name: str, value: object) -> float:
@@ -75,6 +78,9 @@ class Engine:
         reduction starts early in backward.
     :param sync_timeout: seconds a step may take to synchronize before
         :class:`~gsync.SyncTimeout` is raised.
+    :param trace: record a timeline of every phase and reduction in
+        ``FitResult.trace`` (see :class:`gsync.Trace`); ``True`` for a fresh
+        trace per fit, or a ``Trace`` instance to record into.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -85,11 +91,13 @@ class Engine:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         sync_timeout: float = 300.0,
+        trace: bool | Trace = False,
     ) -> None:
         self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
         self.sync_timeout = _positive("sync_timeout", sync_timeout)
         self.devices: list[DeviceSpec] = parse_devices(devices)
+        self.trace = trace
         self._running = False
 
     def __repr__(self) -> str:
@@ -214,6 +222,7 @@ class _FitRun:
             for replica in replicas
         ]
         collective = LocalCollective(len(replicas))
+        trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
         actors: list[DeviceActor] = []
         server: SyncServer | None = None
         feeder: Feeder | None = None
@@ -232,6 +241,7 @@ class _FitRun:
                         server=server_mailbox,
                         loop=loop,
                         abort=abort,
+                        trace=trace,
                     )
                 )
             server = SyncServer(
@@ -244,6 +254,7 @@ class _FitRun:
                 device_mailboxes=[actor.mailbox for actor in actors],
                 loop=loop,
                 sync_timeout=engine.sync_timeout,
+                trace=trace,
             )
             streams = [anyio.create_memory_object_stream[Shard](1) for _ in actors]
             feeder = Feeder(
@@ -277,7 +288,7 @@ class _FitRun:
             bucket_ready_messages=server.bucket_ready_received,
             bucket_sizes=tuple(b.nbytes for b in plan.buckets),
         )
-        return FitResult(self.model, losses, stats)
+        return FitResult(self.model, losses, stats, trace)
 
     async def _teardown(self, actors: list[DeviceActor], server: SyncServer | None, feeder: Feeder | None) -> None:
         workers = [actor.worker for actor in actors]

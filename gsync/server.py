@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from functools import partial
 
 import anyio
@@ -26,6 +27,7 @@ from .buffers import BufferSync
 from .comm.base import Collective
 from .errors import SyncFailed, SyncTimeout
 from .mailbox import Mailbox
+from .trace import Trace
 from .messages import (
     BucketReady,
     BucketReduced,
@@ -56,6 +58,7 @@ class SyncServer:
         device_mailboxes: Sequence[Mailbox[DeviceMessage]],
         loop: LoopHandle,
         sync_timeout: float,
+        trace: Trace | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.comm = WorkerThread("gsync-comm", loop)
@@ -69,6 +72,7 @@ class SyncServer:
         self._devices = device_mailboxes
         self._timeout = sync_timeout
         self._backlog: deque[ServerMessage] = deque()
+        self._trace = trace
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
 
     async def run(self) -> None:
@@ -155,7 +159,15 @@ class SyncServer:
         self._submit(step, bucket, partial(self._collective.all_reduce, flats, weights))
 
     def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
+        if self._trace is not None:
+            name = "broadcast_buffers" if bucket == _BUFFERS else "all_reduce"
+            job = partial(self._traced, self._trace.span(name, step, bucket=max(bucket, -1)), job)
         self.comm.submit(job, partial(self._on_comm_done, step, bucket))
+
+    @staticmethod
+    def _traced(span: AbstractContextManager[None], job: partial[None]) -> None:
+        with span:
+            job()
 
     def _on_comm_done(self, step: int, bucket: int, outcome: Outcome[None]) -> None:
         # Runs on the loop after the server may already be gone (fit cancelled):

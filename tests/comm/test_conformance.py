@@ -1,0 +1,72 @@
+"""Every Collective implementation must pass this suite.
+
+Later transports register a factory in ``COLLECTIVES``; the cases are the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import gsync
+
+COLLECTIVES: dict[str, Callable[[int], gsync.Collective]] = {
+    "local": gsync.LocalCollective,
+}
+
+
+@pytest.fixture(params=sorted(COLLECTIVES))
+def make(request: pytest.FixtureRequest) -> Callable[[int], gsync.Collective]:
+    return COLLECTIVES[request.param]
+
+
+def test_is_a_collective(make: Callable[[int], gsync.Collective]) -> None:
+    collective = make(2)
+    assert isinstance(collective, gsync.Collective)
+    assert collective.world_devices == 2
+    collective.close()
+    collective.close()
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_weighted_all_reduce(make: Callable[[int], gsync.Collective], num_devices: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(num_devices)
+    tensors = [torch.randn(1000, generator=generator).to(dtype) for _ in range(num_devices)]
+    rows = torch.randint(1, 9, (num_devices,), generator=generator).tolist()
+    weights = [r / sum(rows) for r in rows]
+    expected = sum(w * t.double() for w, t in zip(weights, tensors))
+    make(num_devices).all_reduce(tensors, weights)
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
+    for tensor in tensors:
+        torch.testing.assert_close(tensor.double(), expected, atol=tolerance, rtol=tolerance)
+        assert tensor.dtype == dtype
+
+
+def test_fp16_weighted_sum_does_not_overflow(make: Callable[[int], gsync.Collective]) -> None:
+    tensors = [torch.full((16,), 40000.0, dtype=torch.float16) for _ in range(3)]
+    make(3).all_reduce(tensors, [1 / 3] * 3)
+    for tensor in tensors:
+        assert torch.isfinite(tensor).all()
+        torch.testing.assert_close(tensor.float(), torch.full((16,), 40000.0), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+def test_broadcast_from_first_device(make: Callable[[int], gsync.Collective], num_devices: int) -> None:
+    tensors = [torch.full((5,), float(i)) for i in range(num_devices)]
+    ints = [torch.arange(3) + 10 * i for i in range(num_devices)]
+    collective = make(num_devices)
+    collective.broadcast(tensors)
+    collective.broadcast(ints)
+    for tensor, integers in zip(tensors, ints):
+        assert torch.equal(tensor, torch.zeros(5))
+        assert torch.equal(integers, torch.arange(3))
+
+
+def test_zero_weight_devices_contribute_nothing(make: Callable[[int], gsync.Collective]) -> None:
+    tensors = [torch.ones(4), torch.full((4,), 1e30), torch.full((4,), 3.0)]
+    make(3).all_reduce(tensors, [0.5, 0.0, 0.5])
+    for tensor in tensors:
+        torch.testing.assert_close(tensor, torch.full((4,), 2.0))

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def gsync_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("gsync") and t.is_alive()]
+
+
+@pytest.fixture
+def no_leaks() -> Iterator[None]:
+    """Asserts that a test leaves no gsync thread running and no stray asyncio task."""
+    yield
+    assert gsync_threads() == []
+
+
+def assert_no_tasks_left() -> None:
+    current = asyncio.current_task()
+    assert {t for t in asyncio.all_tasks() if t is not current} == set()
+
+
+class TiedNet(nn.Module):
+    """A tied weight (two modules share one Parameter), a frozen module, a module
+    that is never used, and one used only for some rows (so on some shards only)."""
+
+    def __init__(self, d_in: int = 12, hidden: int = 24, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d_in, hidden)
+        self.first = nn.Linear(hidden, hidden)
+        self.second = nn.Linear(hidden, hidden)
+        self.second.weight = self.first.weight
+        self.frozen = nn.Linear(hidden, hidden)
+        self.frozen.requires_grad_(False)
+        self.never_used = nn.Linear(hidden, hidden)
+        self.rare = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.first(h)) + self.frozen(h)
+        h = torch.tanh(self.second(h))
+        mask = x[:, 0] > 1.2
+        if bool(mask.any()):
+            h = h.clone()
+            h[mask] = h[mask] + self.rare(h[mask])
+        return self.head(h)
+
+
+def make_batches(steps: int, rows: int, d_in: int = 12, classes: int = 5, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, d_in, generator=generator), torch.randint(0, classes, (rows,), generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def classification_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def train_reference(
+    model: nn.Module,
+    batches: Sequence[Any],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = sgd,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = classification_loss,
+) -> tuple[nn.Module, list[float]]:
+    """Plain one-device full-batch training: the result gsync must reproduce."""
+    model = copy.deepcopy(model)
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return model, losses
+
+
+def assert_same_state(actual: nn.Module, expected: nn.Module, atol: float = 2e-5) -> None:
+    expected_state = expected.state_dict()
+    for name, value in actual.state_dict().items():
+        torch.testing.assert_close(value, expected_state[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gsync
+from gsync.buckets import BucketPlan, Readiness, ReplicaGrads
+
+
+def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
+    return [(f"p{i}", torch.zeros(n, dtype=dtype)) for i, n in enumerate(sizes)]
+
+
+def test_reverse_order_small_first_bucket_then_cap() -> None:
+    # 4-byte floats: 100 elements = 400 bytes.
+    plan = BucketPlan.build(named(100, 100, 100, 100, 100), first_bucket_bytes=400, bucket_cap_bytes=800)
+    assert [b.params for b in plan.buckets] == [(4,), (3, 2), (1, 0)]
+    assert [b.offsets for b in plan.buckets] == [(0,), (0, 100), (0, 100)]
+    assert plan.bucket_of == (2, 2, 1, 1, 0)
+
+
+def test_oversized_parameter_gets_its_own_bucket() -> None:
+    plan = BucketPlan.build(named(10, 1000, 10), first_bucket_bytes=40, bucket_cap_bytes=400)
+    assert [b.params for b in plan.buckets] == [(2,), (1,), (0,)]
+
+
+def test_dtypes_never_share_a_bucket() -> None:
+    params = named(10, 10) + [("h0", torch.zeros(10, dtype=torch.float16)), ("h1", torch.zeros(10, dtype=torch.float16))]
+    plan = BucketPlan.build(params, first_bucket_bytes=1 << 20, bucket_cap_bytes=1 << 20)
+    # float16 parameters were registered last, so backward reaches them first.
+    assert [(b.dtype, b.params) for b in plan.buckets] == [(torch.float16, (3, 2)), (torch.float32, (1, 0))]
+
+
+def test_explicit_order_must_be_a_permutation() -> None:
+    with pytest.raises(gsync.ConfigError):
+        BucketPlan.build(named(1, 1), 4, 4, order=[0, 0])
+    plan = BucketPlan.build(named(1, 1, 1), 4, 4, order=[1, 0, 2])
+    assert [b.params for b in plan.buckets] == [(1,), (0,), (2,)]
+
+
+def test_no_trainable_parameter_is_refused() -> None:
+    with pytest.raises(gsync.ConfigError, match="no parameter that requires grad"):
+        BucketPlan.build([], 4, 4)
+
+
+def test_grads_become_views_of_the_flat_buffer() -> None:
+    layer = nn.Linear(3, 2)
+    params = list(layer.parameters())
+    plan = BucketPlan.build(list(layer.named_parameters()), 1 << 20, 1 << 20)
+    grads = ReplicaGrads(plan, params, torch.device("cpu"))
+    (layer(torch.ones(4, 3)).sum()).backward()
+    flat = grads.flats[0]
+    assert flat.numel() == 8
+    torch.testing.assert_close(layer.bias.grad, torch.full((2,), 4.0))
+    torch.testing.assert_close(flat[:2], torch.full((2,), 4.0))  # bias registered last, laid out first
+    grads.zero_()
+    assert torch.count_nonzero(layer.weight.grad) == 0
+
+
+def test_readiness_reports_completed_buckets_and_double_fires() -> None:
+    plan = BucketPlan.build(named(100, 100, 100), first_bucket_bytes=400, bucket_cap_bytes=800)
+    ready = Readiness(plan)
+    assert ready.mark(2) == 0
+    assert ready.mark(1) is None
+    assert ready.unfinished() == [(1, (0,))]
+    assert ready.mark(0) == 1
+    with pytest.raises(gsync.ConfigError, match="twice"):
+        ready.mark(0)
+    ready.reset()
+    assert ready.unfinished() == [(0, (2,)), (1, (1, 0))]

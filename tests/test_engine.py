@@ -1,0 +1,162 @@
+"""Lifecycle, messaging and bucketing contracts of one fit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import gsync
+from conftest import (
+    TiedNet,
+    assert_no_tasks_left,
+    assert_same_state,
+    classification_loss,
+    gsync_threads,
+    make_batches,
+    sgd,
+    train_reference,
+)
+
+pytestmark = pytest.mark.asyncio
+
+
+class Deep(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(12 if i == 0 else width, width) for i in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+async def test_one_bucket_ready_message_per_device_and_bucket(num_devices: int) -> None:
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)], first_bucket_mb=0.01, bucket_cap_mb=0.02)
+    result = await engine.fit(Deep(), make_batches(4, 12), optimizer=sgd, loss_fn=classification_loss)
+    assert result.stats.buckets >= 3
+    assert result.stats.steps == 4
+    assert result.stats.bucket_ready_messages == 4 * num_devices * result.stats.buckets
+
+
+async def test_grads_are_views_into_one_flat_buffer_per_bucket() -> None:
+    storages: list[set[int]] = []
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        storages.append({p.grad.untyped_storage().data_ptr() for p in replica.parameters() if p.grad is not None})
+        return classification_loss(replica, batch)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])  # the 25 MiB default holds this model in one bucket
+    result = await engine.fit(Deep(), make_batches(3, 12), optimizer=sgd, loss_fn=loss_fn)
+    assert result.stats.buckets == 1
+    assert len(storages) == 6
+    assert all(len(ptrs) == 1 for ptrs in storages)
+    assert len({ptr for ptrs in storages for ptr in ptrs}) == 2  # one buffer per replica, reused every step
+
+
+async def test_reductions_start_during_backward_in_bucket_order() -> None:
+    """The input layer's backward (the last to run) waits until bucket 0 was reduced.
+
+    If reductions only started after backward returned, this would time out.
+    """
+    reduced_first_bucket = threading.Event()
+
+    class SignallingTrace(gsync.Trace):
+        def record(self, event: gsync.TraceEvent) -> None:
+            super().record(event)
+            if event.name == "all_reduce" and event.bucket == 0:
+                reduced_first_bucket.set()
+
+    class WaitForFirstReduction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            if not reduced_first_bucket.wait(10):
+                raise AssertionError("bucket 0 was not reduced while backward was running")
+            return grad
+
+    class Gated(Deep):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = WaitForFirstReduction.apply(torch.relu(self.layers[0](x)))
+            for layer in self.layers[1:]:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=SignallingTrace())
+    result = await engine.fit(Gated(), make_batches(1, 8), optimizer=sgd, loss_fn=classification_loss)
+
+    assert result.trace is not None
+    reductions = result.trace.select("all_reduce", 0)
+    assert [e.bucket for e in reductions] == list(range(result.stats.buckets))
+    starts = [e.start_us for e in reductions]
+    assert starts == sorted(starts)
+    assert reductions[0].end_us < min(e.end_us for e in result.trace.select("backward", 0))
+
+
+async def test_nothing_left_running_after_fit_and_fit_twice(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    first, second = make_batches(3, 16, seed=1), make_batches(2, 16, seed=2)
+    expected_model, _ = train_reference(model, first)
+    expected_model, _ = train_reference(expected_model, second)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    await engine.fit(model, first, optimizer=sgd, loss_fn=classification_loss)
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    await engine.fit(model, second, optimizer=sgd, loss_fn=classification_loss)
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    assert_same_state(model, expected_model)
+
+
+async def test_generator_data_is_read_off_the_loop(no_leaks: None) -> None:
+    loop_thread = threading.get_ident()
+    reader_threads: set[int] = set()
+
+    def generate():
+        for batch in make_batches(3, 8):
+            reader_threads.add(threading.get_ident())
+            yield batch
+
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), generate(), optimizer=sgd, loss_fn=classification_loss)
+    assert len(result.losses) == 3
+    assert reader_threads and loop_thread not in reader_threads
+
+
+async def test_forward_backward_and_step_run_off_the_event_loop() -> None:
+    loop_thread = threading.get_ident()
+    threads: set[int] = set()
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        threads.add(threading.get_ident())
+        return classification_loss(replica, batch)
+
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=loss_fn)
+    assert len(threads) == 2 and loop_thread not in threads
+
+
+async def test_worker_exception_surfaces_as_worker_failed(no_leaks: None) -> None:
+    model = TiedNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if batch[0].shape[0] == 5:  # only device 1 of 2 gets 5 rows of a 11-row batch
+            raise RuntimeError("boom on device 1")
+        return classification_loss(replica, batch)
+
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, make_batches(2, 11), optimizer=sgd, loss_fn=loss_fn)
+    error = caught.value
+    assert (error.device, error.device_index, error.step, error.site) == ("cpu:1", 1, 0, "forward")
+    assert isinstance(error.__cause__, RuntimeError) and "boom on device 1" in str(error.__cause__)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -1,0 +1,159 @@
+"""gsync on k devices must equal one-device training on the whole batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gsync
+from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+@pytest.mark.parametrize("rows", [32, 31])
+async def test_matches_single_device_training(num_devices: int, rows: int, no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(steps=5, rows=rows)
+    expected_model, expected_losses = train_reference(model, batches)
+
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)], first_bucket_mb=0.001, bucket_cap_mb=0.002)
+    result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+
+    assert result.model is model
+    assert result.stats.buckets > 1
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
+async def test_tied_weight_stays_tied_and_unused_params_keep_no_grad() -> None:
+    torch.manual_seed(1)
+    model = TiedNet()
+    untouched = {name: p.detach().clone() for name, p in model.named_parameters()}
+    frozen_before = model.frozen.weight.detach().clone()
+    seen: list[nn.Module] = []
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen.append(replica)
+        return classification_loss(replica, batch)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    await engine.fit(model, make_batches(steps=3, rows=16), optimizer=sgd, loss_fn=loss_fn)
+
+    assert model.second.weight is model.first.weight
+    torch.testing.assert_close(model.frozen.weight, frozen_before, atol=0, rtol=0)
+    # With weight decay, a parameter the optimizer saw (even with a zero grad) would shrink.
+    torch.testing.assert_close(model.never_used.weight, untouched["never_used.weight"], atol=0, rtol=0)
+    for replica in seen:
+        assert replica.second.weight is replica.first.weight
+
+
+async def test_rare_path_used_on_one_device_only_matches_reference() -> None:
+    torch.manual_seed(2)
+    model = TiedNet()
+    x = torch.randn(8, 12)
+    x[:, 0] = 0.0
+    x[1, 0] = 3.0  # only the first shard (rows 0-3) takes the rare path
+    batches = [(x, torch.randint(0, 5, (8,)))] * 3
+    expected_model, _ = train_reference(model, batches)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+
+    assert_same_state(model, expected_model)
+    assert not torch.equal(model.rare.weight, TiedNet().rare.weight)
+
+
+async def test_batch_smaller_than_device_count_gives_empty_shards_zero_weight() -> None:
+    torch.manual_seed(3)
+    model = TiedNet()
+    batches = make_batches(steps=3, rows=2)
+    expected_model, expected_losses = train_reference(model, batches)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"])
+    result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
+async def test_adam_losses_match() -> None:
+    torch.manual_seed(4)
+    model = TiedNet()
+    batches = make_batches(steps=6, rows=24)
+
+    def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-3)
+
+    _, expected_losses = train_reference(model, batches, optimizer=adam)
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, batches, optimizer=adam, loss_fn=classification_loss)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=1e-4, rtol=0)
+
+
+class Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+async def test_buffers_broadcast_from_first_device_each_step() -> None:
+    torch.manual_seed(5)
+    model = Normed()
+    replicas: dict[int, nn.Module] = {}
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        replicas[id(replica)] = replica
+        return classification_loss(replica, batch)
+
+    batches = make_batches(steps=4, rows=16)
+    await gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).fit(model, batches, optimizer=sgd, loss_fn=loss_fn)
+
+    first, *others = replicas.values()
+    assert len(others) == 2
+    for other in others:
+        for (name, mine), theirs in zip(first.named_buffers(), other.buffers()):
+            torch.testing.assert_close(theirs, mine, atol=0, rtol=0, msg=name)
+    assert int(model.norm.num_batches_tracked) == 4
+    torch.testing.assert_close(model.norm.running_mean, first.norm.running_mean, atol=0, rtol=0)
+    assert not torch.equal(model.norm.running_mean, torch.zeros(16))
+
+
+async def test_dict_batches_and_async_iterables() -> None:
+    torch.manual_seed(6)
+    model = TiedNet()
+    batches = make_batches(steps=3, rows=10)
+    expected_model, _ = train_reference(model, batches)
+
+    async def stream():
+        for x, y in batches:
+            yield {"x": x, "y": y}
+
+    def loss_fn(replica: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return classification_loss(replica, (batch["x"], batch["y"]))
+
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, stream(), optimizer=sgd, loss_fn=loss_fn)
+    assert_same_state(model, expected_model)
+
+
+async def test_dataloader_over_epochs() -> None:
+    torch.manual_seed(7)
+    model = TiedNet()
+    x, y = make_batches(steps=1, rows=40)[0]
+    dataset = torch.utils.data.TensorDataset(x, y)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=False)
+    expected_model, expected_losses = train_reference(model, list(loader) * 2)
+
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+        model, loader, optimizer=sgd, loss_fn=classification_loss, epochs=2
+    )
+    assert len(result.losses) == 6
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
