@@ -227,6 +227,7 @@ class _FitRun:
         server: SyncServer | None = None
         feeder: Feeder | None = None
         failure: BaseException | None = None
+        streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
         try:
             server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
             for index, (spec, replica, optimizer) in enumerate(zip(engine.devices, replicas, optimizers)):
@@ -256,7 +257,6 @@ class _FitRun:
                 sync_timeout=engine.sync_timeout,
                 trace=trace,
             )
-            streams = [anyio.create_memory_object_stream[Shard](1) for _ in actors]
             feeder = Feeder(
                 data=self.data,
                 epochs=self.epochs,
@@ -274,6 +274,9 @@ class _FitRun:
                 failure = _first_failure(errors)
         finally:
             abort.set()
+            for send, receive in streams:
+                send.close()
+                receive.close()
             await self._teardown(actors, server, feeder)
             collective.close()
         if failure is not None:

@@ -44,6 +44,7 @@ async def test_posting_after_close_raises_typed_error_in_the_poster() -> None:
     thread.join()
     assert len(errors) == 1 and errors[0].message == StepSynced(1)
     assert box.try_post(StepSynced(2)) is False
+    box.discard()
 
 
 @pytest.mark.asyncio
