@@ -75,8 +75,8 @@ class WorkerThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
         self._exit_seen = anyio.Event()
+        # Started by the first job, so building an actor that never runs costs no thread.
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
 
     def _serve(self) -> None:
         try:
@@ -104,6 +104,8 @@ class WorkerThread:
             self._loop.call_soon(on_done, outcome)
 
         self._jobs.put(job)
+        if self._thread.ident is None:
+            self._thread.start()
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` in the thread and return its result (or raise its exception).
@@ -128,7 +130,7 @@ class WorkerThread:
 
     @property
     def alive(self) -> bool:
-        return not self._exited.is_set()
+        return self._thread.ident is not None and not self._exited.is_set()
 
     async def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the thread to exit, without blocking the loop.
@@ -136,6 +138,8 @@ class WorkerThread:
         Shielded from cancellation, so cleanup still waits when ``fit`` is
         being cancelled. Returns whether the thread has exited.
         """
+        if self._thread.ident is None:
+            return True
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
             await self._exit_seen.wait()
         if self._exited.is_set():

@@ -8,18 +8,20 @@ when backward returns, their missing slots left at zero. The actor then waits
 for ``StepSynced`` and runs the optimizer step in its thread.
 
 Nothing heavy runs on the event loop. If the actor is cancelled mid-job, the
-job finishes or stops at the next gradient hook (which polls the engine's
-abort flag); its result is discarded.
+job stops at its next phase boundary or gradient hook, which poll the fit's
+abort flag; its result is discarded.
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
+import anyio
 import torch
 from anyio.abc import ObjectReceiveStream
 from torch import nn
@@ -28,12 +30,21 @@ from ._threads import LoopHandle, WorkerThread
 from .batches import move_batch
 from .buckets import BucketPlan, Readiness, ReplicaGrads
 from .devices import DeviceSpec
-from .errors import ConfigError, GsyncError, InputTypeError, SyncFailed, WorkerFailed
+from .errors import (
+    ConfigError,
+    GsyncError,
+    InputTypeError,
+    NonFiniteLoss,
+    ReplicasDiverged,
+    SyncFailed,
+    SyncTimeout,
+    WorkerFailed,
+)
 from .mailbox import Mailbox
-from .trace import Trace
 from .messages import BucketReady, Close, DeviceMessage, ServerMessage, StepSynced
+from .trace import Trace
 
-__all__ = ("Shard", "DeviceActor", "FitAborted")
+__all__ = ("Shard", "DeviceActor", "ActorContext", "FitAborted", "SiteHook")
 
 
 class FitAborted(Exception):
@@ -49,7 +60,44 @@ class Shard:
 
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-StepObserver = Callable[[int, str], None]
+SiteHook = Callable[[int, int, str, threading.Event], None]
+"""Called as ``hook(device_index, step, site, abort)`` in the worker thread as each phase starts."""
+
+
+class ReplicaFingerprints:
+    """Collects one parameter fingerprint per device per checked step and compares them."""
+
+    def __init__(self, device_names: Sequence[str]) -> None:
+        self._names = list(device_names)
+        self._pending: dict[int, dict[int, float]] = {}
+
+    def record(self, step: int, device: int, value: float) -> None:
+        """Called on the loop. :raises ~gsync.ReplicasDiverged: when the last device's value disagrees."""
+        values = self._pending.setdefault(step, {})
+        values[device] = value
+        if len(values) < len(self._names):
+            return
+        del self._pending[step]
+        reference = values[0]
+        if any(not math.isclose(v, reference, rel_tol=1e-9, abs_tol=1e-12) for v in values.values()):
+            raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
+
+
+@dataclass
+class ActorContext:
+    """What every actor of one ``fit`` shares."""
+
+    plan: BucketPlan
+    loss_fn: LossFn
+    server: Mailbox[ServerMessage]
+    loop: LoopHandle
+    abort: threading.Event
+    sync_timeout: float
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    check_replicas_every: int | None = None
+    fingerprints: ReplicaFingerprints | None = None
+    trace: Trace | None = None
+    site_hooks: Sequence[SiteHook] = field(default_factory=tuple)
 
 
 class DeviceActor:
@@ -60,68 +108,69 @@ class DeviceActor:
         spec: DeviceSpec,
         replica: nn.Module,
         optimizer: torch.optim.Optimizer,
-        plan: BucketPlan,
-        loss_fn: LossFn,
-        server: Mailbox[ServerMessage],
-        loop: LoopHandle,
-        abort: threading.Event,
-        trace: Trace | None = None,
-        on_site: StepObserver | None = None,
+        context: ActorContext,
     ) -> None:
         self.index = index
         self.spec = spec
         self.replica = replica
         self.optimizer = optimizer
-        self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", loop)
-        self.worker = WorkerThread(f"gsync-device-{index}", loop)
+        self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
+        self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
-        self.grads = ReplicaGrads(plan, self.params, spec.torch_device)
-        self.readiness = Readiness(plan)
+        self.grads = ReplicaGrads(context.plan, self.params, spec.torch_device)
+        self.readiness = Readiness(context.plan)
         self.losses: dict[int, float] = {}
         self.site = "data"
         self.step = -1
-        self.applied_step: int | None = None
-        self._plan = plan
-        self._loss_fn = loss_fn
-        self._server = server
-        self._abort = abort
-        self._on_site = on_site
-        self._trace = trace
+        # Written only by the worker thread; read by the engine once the thread
+        # is idle, to pick the replica a checkpoint is taken from.
+        self.applied_step = -1
+        self.optimizer_dirty = False
+        self._context = context
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
             for position, param in enumerate(self.params)
         ]
 
-    # -- in the backward thread ------------------------------------------------
+    # -- in the worker thread (and autograd's, for the hooks) ------------------
 
     def _hook_for(self, position: int) -> Callable[[torch.Tensor], None]:
+        context = self._context
+
         def on_grad_ready(param: torch.Tensor) -> None:
-            if self._abort.is_set():
+            if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
             if param.grad is not self.grads.views[position]:
                 raise ConfigError(
-                    f"the .grad of parameter {self._plan.names[position]!r} on {self.spec.name} was replaced "
+                    f"the .grad of parameter {context.plan.names[position]!r} on {self.spec.name} was replaced "
                     "during backward; gsync keeps gradients in its bucket buffers, so modify grads in place"
                 )
             if bucket is not None:
-                self._server.post_threadsafe(BucketReady(self.index, self.step, bucket))
+                context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
 
         return on_grad_ready
 
     def _enter(self, site: str) -> AbstractContextManager[None]:
-        """Mark the start of a phase; the returned context times it when tracing."""
+        """Start a phase: stop here if the fit is ending; the returned context times the phase when tracing."""
+        context = self._context
+        if context.abort.is_set():
+            raise FitAborted
         self.site = site
-        if self._on_site is not None:
-            self._on_site(self.step, site)
-        if self._trace is None:
+        if context.site_hooks:
+            for hook in context.site_hooks:
+                hook(self.index, self.step, site, context.abort)
+            # A hook may have blocked while the fit ended: do not start the phase then.
+            if context.abort.is_set():
+                raise FitAborted
+        if context.trace is None:
             return nullcontext()
-        return self._trace.span(site, self.step, self.index)
+        return context.trace.span(site, self.step, self.index)
 
     def _forward_backward(self, shard: Shard) -> float | None:
         self.step = shard.step
-        self._enter("data")
-        data = move_batch(shard.data, self.spec.torch_device)
+        with self._enter("data"):
+            data = move_batch(shard.data, self.spec.torch_device)
         self.grads.zero_()
         self.readiness.reset()
         if shard.rows == 0:
@@ -130,12 +179,20 @@ class DeviceActor:
             self._post_unfinished()
             return None
         with self._enter("forward"):
-            loss = self._loss_fn(self.replica, data)
+            loss = self._context.loss_fn(self.replica, data)
             self._check_loss(loss)
+            value = loss.item()
+        if not math.isfinite(value):
+            if self._context.on_nonfinite == "raise":
+                raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
+            # Skipping: no backward, so the bucket holds zeros; the server sees
+            # the flag and tells every device to skip this step's update.
+            self._post_unfinished(skip=True)
+            return value
         with self._enter("backward"):
             loss.backward()
         self._post_unfinished()
-        return loss.item()
+        return value
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"
@@ -152,21 +209,30 @@ class DeviceActor:
                 "output, outside torch.no_grad()"
             )
 
-    def _post_unfinished(self) -> None:
+    def _post_unfinished(self, skip: bool = False) -> None:
         for bucket, unused in self.readiness.unfinished():
-            self._server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
+            self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
 
-    def _apply(self, unused: tuple[int, ...]) -> None:
-        # A parameter no device used must look untouched to the optimizer
-        # (grad None), exactly as in one-process training.
-        for position in unused:
-            self.params[position].grad = None
-        try:
-            with self._enter("optimizer"):
-                self.optimizer.step()
-        finally:
+    def _apply(self, step: int, unused: tuple[int, ...]) -> float | None:
+        with self._enter("optimizer"):
+            # A parameter no device used must look untouched to the optimizer
+            # (grad None), exactly as in one-process training.
             for position in unused:
-                self.params[position].grad = self.grads.views[position]
+                self.params[position].grad = None
+            self.optimizer_dirty = True
+            try:
+                self.optimizer.step()
+            finally:
+                for position in unused:
+                    self.params[position].grad = self.grads.views[position]
+            # Only a step that returned leaves the replica consistent.
+            self.optimizer_dirty = False
+            self.applied_step = step
+        every = self._context.check_replicas_every
+        if every is not None and (step + 1) % every == 0:
+            with torch.no_grad():
+                return float(sum(p.detach().double().sum() for p in self.params))  # type: ignore[arg-type]
+        return None
 
     # -- on the event loop -----------------------------------------------------
 
@@ -174,16 +240,17 @@ class DeviceActor:
         try:
             return await self.worker.run(lambda: fn(*args))
         except GsyncError:
-            self._abort.set()
+            self._context.abort.set()
             raise
         except Exception as error:
-            self._abort.set()
+            self._context.abort.set()
             raise WorkerFailed(self.spec.name, self.index, self.step, self.site) from error
 
     async def run(self, shards: ObjectReceiveStream[Shard]) -> None:
         """Train on every shard received, until the feeder closes ``shards`` and ``Close`` arrives.
 
         :raises ~gsync.WorkerFailed: when this device's training code raises.
+        :raises ~gsync.SyncTimeout: when this device's optimizer step stalls.
         """
         try:
             async with shards:
@@ -202,9 +269,18 @@ class DeviceActor:
     async def _await_sync(self, step: int) -> bool:
         message = await self.mailbox.receive()
         match message:
-            case StepSynced(step=synced, unused=unused) if synced == step:
-                await self._in_thread(self._apply, unused)
-                self.applied_step = step
+            case StepSynced(step=synced, unused=unused, skip=skip) if synced == step:
+                if skip:
+                    return True
+                with anyio.move_on_after(self._context.sync_timeout) as deadline:
+                    fingerprint = await self._in_thread(self._apply, step, unused)
+                if deadline.cancelled_caught:
+                    self._context.abort.set()
+                    raise SyncTimeout(
+                        step, self._context.sync_timeout, stalled_devices=[self.spec.name], phase="optimizer step"
+                    )
+                if fingerprint is not None and self._context.fingerprints is not None:
+                    self._context.fingerprints.record(step, self.index, fingerprint)
                 return True
             case StepSynced():
                 raise SyncFailed(step, None, f"protocol error: {self.spec.name} got {message!r} while at step {step}")

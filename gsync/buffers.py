@@ -4,6 +4,10 @@ As in DDP, the first device's buffers are authoritative: at every step they
 are broadcast to the other replicas, so buffers are identical everywhere after
 each step. Buffers are looked up by owner and name at each sync, so a module
 that reassigns a buffer instead of updating it in place is still followed.
+
+The flat copy each broadcast makes is kept for the last two steps: it is the
+buffers' state as of that step, which a checkpoint needs once the next
+forward has already moved them on.
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ from .comm.base import Collective
 __all__ = ("BufferSync",)
 
 
-def _buffer_slots(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    slots: list[tuple[nn.Module, str]] = []
+def _buffer_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    slots: list[tuple[str, nn.Module, str]] = []
     seen: set[int] = set()
-    for sub in module.modules():
-        for name, buffer in sub._buffers.items():
+    for prefix, owner in module.named_modules():
+        for name, buffer in owner._buffers.items():
             if buffer is not None and id(buffer) not in seen:
                 seen.add(id(buffer))
-                slots.append((sub, name))
+                slots.append((f"{prefix}.{name}" if prefix else name, owner, name))
     return slots
 
 
@@ -34,19 +38,22 @@ class BufferSync:
 
     def __init__(self, replicas: Sequence[nn.Module]) -> None:
         self._slots = [_buffer_slots(replica) for replica in replicas]
+        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
 
     @property
     def empty(self) -> bool:
         return not self._slots[0]
 
     def _current(self, replica: int) -> list[torch.Tensor]:
-        return [owner._buffers[name] for owner, name in self._slots[replica]]  # type: ignore[misc]
+        return [owner._buffers[name] for _, owner, name in self._slots[replica]]  # type: ignore[misc]
 
-    def broadcast(self, collective: Collective) -> None:
+    def broadcast(self, collective: Collective, step: int) -> None:
         per_replica = [self._current(i) for i in range(len(self._slots))]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for position, buffer in enumerate(per_replica[0]):
             by_dtype.setdefault(buffer.dtype, []).append(position)
+        snapshot: dict[str, torch.Tensor] = {}
+        names = [full for full, _, _ in self._slots[0]]
         for positions in by_dtype.values():
             flats = [torch.cat([buffers[p].reshape(-1) for p in positions]) for buffers in per_replica]
             collective.broadcast(flats)
@@ -56,3 +63,12 @@ class BufferSync:
                 targets = [buffers[p] for p in positions]
                 for target, source in zip(targets, flat.split([t.numel() for t in targets])):
                     target.copy_(source.view_as(target))
+            sizes = [per_replica[0][p].numel() for p in positions]
+            for p, piece in zip(positions, flats[0].split(sizes)):
+                snapshot[names[p]] = piece.view_as(per_replica[0][p])
+        self._snapshots[step] = snapshot
+        self._snapshots.pop(step - 2, None)
+
+    def snapshot(self, step: int) -> dict[str, torch.Tensor] | None:
+        """Buffers by state-dict name as broadcast at ``step``; ``None`` if that step was not kept."""
+        return self._snapshots.get(step)

@@ -13,16 +13,17 @@ import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
 from torch import nn
 
 from ._threads import LoopHandle
-from .actor import DeviceActor, LossFn, Shard
+from .actor import ActorContext, DeviceActor, LossFn, ReplicaFingerprints, Shard, SiteHook
 from .buckets import BucketPlan
 from .buffers import BufferSync
+from .checkpoint import Checkpoint
 from .comm.local import LocalCollective
 from .devices import DeviceSpec, parse_devices
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
@@ -30,6 +31,7 @@ from .feeder import Feeder
 from .mailbox import Mailbox
 from .messages import ServerMessage
 from .server import SyncServer
+from .topology import Topology
 from .trace import Trace
 
 __all__ = ("Engine", "FitResult", "FitStats")
@@ -37,7 +39,8 @@ __all__ = ("Engine", "FitResult", "FitStats")
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 # How long teardown waits for worker threads to finish their current job
-# before leaving them (they are daemons and stop at their next gradient hook).
+# before leaving them (they are daemons and stop at their next phase boundary
+# or gradient hook).
 _THREAD_GRACE_S = 0.5
 
 
@@ -56,7 +59,13 @@ class FitResult:
     model: nn.Module
     """The module passed to ``fit``, holding the trained parameters and buffers."""
     losses: list[float]
-    """The global mean loss of each optimizer step."""
+    """The global mean loss of each optimizer step this fit ran (from ``first_step`` on)."""
+    first_step: int = 0
+    """The global index of the first step this fit ran (> 0 when resuming)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps left out because a loss was not finite (``on_nonfinite="skip"``)."""
+    checkpoint: Checkpoint | None = None
+    """The final state, to continue training later with ``fit(..., resume=checkpoint)``."""
     stats: FitStats = field(default_factory=FitStats)
     trace: Trace | None = None
     """The timeline of the fit, when the engine was built with ``trace=True``."""
@@ -76,8 +85,15 @@ class Engine:
     :param bucket_cap_mb: largest gradient bucket, in MiB.
     :param first_bucket_mb: size of the first bucket, kept small so the first
         reduction starts early in backward.
-    :param sync_timeout: seconds a step may take to synchronize before
-        :class:`~gsync.SyncTimeout` is raised.
+    :param sync_timeout: seconds a step may take to synchronize (from the
+        moment the sync server starts on it) and an optimizer step may take,
+        before :class:`~gsync.SyncTimeout` is raised. Reading data is not timed.
+    :param on_nonfinite: ``"raise"`` (default) to stop with
+        :class:`~gsync.NonFiniteLoss` when a device's loss is NaN or infinite,
+        ``"skip"`` to leave that step's update out on every device.
+    :param check_replicas_every: compare a fingerprint of every replica's
+        parameters every N steps and raise :class:`~gsync.ReplicasDiverged` if
+        they differ (one pass over the parameters per check). Off by default.
     :param trace: record a timeline of every phase and reduction in
         ``FitResult.trace`` (see :class:`gsync.Trace`); ``True`` for a fresh
         trace per fit, or a ``Trace`` instance to record into.
@@ -91,13 +107,24 @@ class Engine:
         bucket_cap_mb: float = 25.0,
         first_bucket_mb: float = 1.0,
         sync_timeout: float = 300.0,
+        on_nonfinite: Literal["raise", "skip"] = "raise",
+        check_replicas_every: int | None = None,
         trace: bool | Trace = False,
     ) -> None:
         self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
         self.sync_timeout = _positive("sync_timeout", sync_timeout)
+        if on_nonfinite not in ("raise", "skip"):
+            raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite: Literal["raise", "skip"] = on_nonfinite
+        if check_replicas_every is not None and (
+            isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 1
+        ):
+            raise ConfigError(f"check_replicas_every must be a positive int or None, got {check_replicas_every!r}")
+        self.check_replicas_every = check_replicas_every
         self.devices: list[DeviceSpec] = parse_devices(devices)
         self.trace = trace
+        self._site_hooks: list[SiteHook] = []
         self._running = False
 
     def __repr__(self) -> str:
@@ -111,6 +138,7 @@ class Engine:
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         epochs: int = 1,
+        resume: Checkpoint | None = None,
     ) -> FitResult:
         """Train ``model`` on ``data`` with one replica per device and return it trained.
 
@@ -120,27 +148,40 @@ class Engine:
         step equals one step of single-device training on the whole batch.
 
         The model passed in is only read until training succeeds; then it
-        receives the first replica's parameters and buffers. Cancelling the
-        calling task stops every actor and worker thread and leaves the model
-        as it was.
+        receives the first replica's parameters and buffers. If ``fit`` fails
+        or is cancelled, the model is left as it was, and the error's
+        ``checkpoint`` holds the last consistent state.
+
+        ``resume`` continues from a checkpoint (an error's, or a result's):
+        replicas start from its state, ``data`` is replayed and its first
+        ``checkpoint.step + 1`` batches (counted across epochs) are skipped, so
+        ``data`` must yield the same batches in the same order as before.
+
+        Cancelling the calling task (``anyio.move_on_after``, ``Task.cancel``,
+        a notebook interrupt) stops every actor and worker thread and
+        propagates the cancellation; the engine can ``fit`` again.
 
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
-            input, before any optimizer step.
+            input; for anything checkable up front, before any work starts.
         :raises ~gsync.WorkerFailed: when training code raises on a device.
         :raises ~gsync.SyncFailed: when a reduction raises.
         :raises ~gsync.SyncTimeout: when a step stalls for ``sync_timeout`` seconds.
+        :raises ~gsync.NonFiniteLoss: when a loss is not finite (``on_nonfinite="raise"``).
+        :raises ~gsync.DataFailed: when iterating ``data`` raises.
         """
-        _check_fit_args(model, data, optimizer, loss_fn, epochs)
+        _check_fit_args(model, data, optimizer, loss_fn, epochs, resume)
         if self._running:
             raise ConfigError("this engine is already running a fit; await it before starting another")
         self._running = True
         try:
-            return await _FitRun(self, model, data, optimizer, loss_fn, epochs).execute()
+            return await _FitRun(self, model, data, optimizer, loss_fn, epochs, resume).execute()
         finally:
             self._running = False
 
 
-def _check_fit_args(model: object, data: object, optimizer: object, loss_fn: object, epochs: object) -> None:
+def _check_fit_args(
+    model: object, data: object, optimizer: object, loss_fn: object, epochs: object, resume: object
+) -> None:
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -152,6 +193,8 @@ def _check_fit_args(model: object, data: object, optimizer: object, loss_fn: obj
         raise InputTypeError("loss_fn must be callable as loss_fn(model, shard) -> scalar tensor")
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+    if resume is not None and not isinstance(resume, Checkpoint):
+        raise InputTypeError(f"resume must be a gsync.Checkpoint (an error's or a result's), got {type(resume).__name__}")
     if isinstance(data, torch.Tensor):
         raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
     if not isinstance(data, (Iterable, AsyncIterable)):
@@ -166,14 +209,12 @@ def _check_fit_args(model: object, data: object, optimizer: object, loss_fn: obj
         )
 
 
-def _replicate(model: nn.Module, device: torch.device) -> nn.Module:
-    replica = copy.deepcopy(model).to(device)
-    replica.train()
-    return replica
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
 
 
-def _build_optimizer(factory: OptimizerFactory, replica: nn.Module, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    optimizer = factory(params)
+def _build_optimizer(factory: OptimizerFactory, replica: nn.Module) -> torch.optim.Optimizer:
+    optimizer = factory(_trainable(replica))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputTypeError(f"optimizer(params) returned a {type(optimizer).__name__}; it must return a torch.optim.Optimizer")
     own = {id(p) for p in replica.parameters()}
@@ -198,6 +239,7 @@ class _FitRun:
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         epochs: int,
+        resume: Checkpoint | None,
     ) -> None:
         self.engine = engine
         self.model = model
@@ -205,65 +247,85 @@ class _FitRun:
         self.optimizer_factory = optimizer
         self.loss_fn = loss_fn
         self.epochs = epochs
+        self.resume = resume
+        self.first_step = 0 if resume is None else resume.next_step
+
+    def _replicate(self) -> list[nn.Module]:
+        replicas = []
+        for spec in self.engine.devices:
+            replica = copy.deepcopy(self.model).to(spec.torch_device)
+            if self.resume is not None:
+                replica.load_state_dict(self.resume.model_state)
+            replica.train()
+            replicas.append(replica)
+        return replicas
+
+    def _optimizers(self, replicas: list[nn.Module]) -> list[torch.optim.Optimizer]:
+        optimizers = [_build_optimizer(self.optimizer_factory, replica) for replica in replicas]
+        if self.resume is not None:
+            for optimizer in optimizers:
+                optimizer.load_state_dict(self.resume.optimizer_state)
+        return optimizers
 
     async def execute(self) -> FitResult:
         engine = self.engine
         loop = LoopHandle()
         abort = threading.Event()
-        replicas = [_replicate(self.model, spec.torch_device) for spec in engine.devices]
-        named = [(name, p) for name, p in replicas[0].named_parameters() if p.requires_grad]
+        replicas = self._replicate()
         plan = BucketPlan.build(
-            named,
+            [(name, p) for name, p in replicas[0].named_parameters() if p.requires_grad],
             first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
             bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         )
-        optimizers = [
-            _build_optimizer(self.optimizer_factory, replica, [p for _, p in replica.named_parameters() if p.requires_grad])
-            for replica in replicas
-        ]
+        optimizers = self._optimizers(replicas)
+        topology = Topology(local_devices=len(replicas))
         collective = LocalCollective(len(replicas))
         trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
-        actors: list[DeviceActor] = []
-        server: SyncServer | None = None
-        feeder: Feeder | None = None
-        failure: BaseException | None = None
+        device_names = [spec.name for spec in engine.devices]
+        buffers = BufferSync(replicas)
+        server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
+        context = ActorContext(
+            plan=plan,
+            loss_fn=self.loss_fn,
+            server=server_mailbox,
+            loop=loop,
+            abort=abort,
+            sync_timeout=engine.sync_timeout,
+            on_nonfinite=engine.on_nonfinite,
+            check_replicas_every=engine.check_replicas_every,
+            fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
+            trace=trace,
+            site_hooks=tuple(engine._site_hooks),
+        )
         streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
+        # Worker threads start with their first job, so nothing below needs cleanup until the group runs.
+        actors = [
+            DeviceActor(index=index, spec=spec, replica=replica, optimizer=optimizer, context=context)
+            for index, (spec, replica, optimizer) in enumerate(zip(engine.devices, replicas, optimizers))
+        ]
+        server = SyncServer(
+            mailbox=server_mailbox,
+            plan=plan,
+            device_names=device_names,
+            grads=[actor.grads for actor in actors],
+            buffers=buffers,
+            collective=collective,
+            device_mailboxes=[actor.mailbox for actor in actors],
+            loop=loop,
+            sync_timeout=engine.sync_timeout,
+            trace=trace,
+        )
+        feeder = Feeder(
+            data=self.data,
+            epochs=self.epochs,
+            server=server_mailbox,
+            shard_streams=[send for send, _ in streams],
+            loop=loop,
+            topology=topology,
+            first_step=self.first_step,
+        )
+        failure: BaseException | None = None
         try:
-            server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
-            for index, (spec, replica, optimizer) in enumerate(zip(engine.devices, replicas, optimizers)):
-                actors.append(
-                    DeviceActor(
-                        index=index,
-                        spec=spec,
-                        replica=replica,
-                        optimizer=optimizer,
-                        plan=plan,
-                        loss_fn=self.loss_fn,
-                        server=server_mailbox,
-                        loop=loop,
-                        abort=abort,
-                        trace=trace,
-                    )
-                )
-            server = SyncServer(
-                mailbox=server_mailbox,
-                plan=plan,
-                device_names=[spec.name for spec in engine.devices],
-                grads=[actor.grads for actor in actors],
-                buffers=BufferSync(replicas),
-                collective=collective,
-                device_mailboxes=[actor.mailbox for actor in actors],
-                loop=loop,
-                sync_timeout=engine.sync_timeout,
-                trace=trace,
-            )
-            feeder = Feeder(
-                data=self.data,
-                epochs=self.epochs,
-                server=server_mailbox,
-                shard_streams=[send for send, _ in streams],
-                loop=loop,
-            )
             try:
                 async with anyio.create_task_group() as group:
                     group.start_soon(server.run)
@@ -277,36 +339,71 @@ class _FitRun:
             for send, receive in streams:
                 send.close()
                 receive.close()
-            await self._teardown(actors, server, feeder)
+            server_mailbox.discard()
+            await _teardown(actors, server, feeder)
             collective.close()
+
         if failure is not None:
+            if isinstance(failure, GsyncError):
+                self._attach_checkpoint(failure, actors, buffers)
             raise failure
 
         with torch.no_grad():
             self.model.load_state_dict(replicas[0].state_dict())
-        losses = [sum(actor.losses.get(step, 0.0) for actor in actors) for step in range(server.steps_synced)]
-        stats = FitStats(
-            steps=server.steps_synced,
-            buckets=len(plan.buckets),
-            bucket_ready_messages=server.bucket_ready_received,
-            bucket_sizes=tuple(b.nbytes for b in plan.buckets),
+        last_step = self.first_step + server.steps_synced - 1
+        losses = [sum(actor.losses.get(step, 0.0) for actor in actors) for step in range(self.first_step, last_step + 1)]
+        return FitResult(
+            model=self.model,
+            losses=losses,
+            first_step=self.first_step,
+            skipped_steps=list(server.skipped_steps),
+            checkpoint=Checkpoint.capture(last_step, replicas[0], optimizers[0]),
+            stats=FitStats(
+                steps=server.steps_synced,
+                buckets=len(plan.buckets),
+                bucket_ready_messages=server.bucket_ready_received,
+                bucket_sizes=tuple(b.nbytes for b in plan.buckets),
+            ),
+            trace=trace,
         )
-        return FitResult(self.model, losses, stats, trace)
 
-    async def _teardown(self, actors: list[DeviceActor], server: SyncServer | None, feeder: Feeder | None) -> None:
-        workers = [actor.worker for actor in actors]
-        for actor in actors:
-            actor.close()
-            actor.mailbox.discard()
-        if server is not None:
-            server.close()
-            server.mailbox.discard()
-            workers.append(server.comm)
-        if feeder is not None and feeder.worker is not None:
-            workers.append(feeder.worker)
-        deadline = time.monotonic() + _THREAD_GRACE_S
-        for worker in workers:
-            await worker.join(max(0.0, deadline - time.monotonic()))
+    def _attach_checkpoint(self, failure: GsyncError, actors: list[DeviceActor], buffers: BufferSync) -> None:
+        """Give ``failure`` the most advanced consistent state any replica still holds."""
+        try:
+            checkpoint = self._last_consistent(actors, buffers)
+        except Exception as error:  # noqa: BLE001 - the original failure matters more
+            failure.add_note(f"gsync could not capture a checkpoint: {error!r}")
+            return
+        failure.checkpoint = checkpoint
+        failure.last_step = checkpoint.step if checkpoint.step >= 0 else None
+
+    def _last_consistent(self, actors: list[DeviceActor], buffers: BufferSync) -> Checkpoint:
+        # A replica whose optimizer step was interrupted is half-updated; every
+        # other replica holds the state after its own last applied step, and
+        # each such step was reduced on every device before it was applied.
+        clean = [actor for actor in actors if not actor.optimizer_dirty]
+        if not clean:
+            raise RuntimeError("every replica was interrupted inside its optimizer step")
+        best = max(clean, key=lambda actor: actor.applied_step)
+        if best.applied_step < self.first_step:
+            if self.resume is not None:
+                return self.resume
+            return Checkpoint.capture(-1, self.model, best.optimizer)
+        return Checkpoint.capture(best.applied_step, best.replica, best.optimizer, buffers.snapshot(best.applied_step))
+
+
+async def _teardown(actors: list[DeviceActor], server: SyncServer, feeder: Feeder) -> None:
+    workers = [actor.worker for actor in actors]
+    for actor in actors:
+        actor.close()
+        actor.mailbox.discard()
+    server.close()
+    workers.append(server.comm)
+    if feeder.worker is not None:
+        workers.append(feeder.worker)
+    deadline = time.monotonic() + _THREAD_GRACE_S
+    for worker in workers:
+        await worker.join(max(0.0, deadline - time.monotonic()))
 
 
 def _flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
@@ -335,7 +432,7 @@ def _first_failure(group: BaseExceptionGroup[Any]) -> BaseException:
     failures = sorted((e for e in errors if isinstance(e, FitError)), key=lambda e: e.at)
     if failures:
         first, others = failures[0], tuple(failures[1:])
-        first.others = others  # type: ignore[attr-defined]
+        first.others = others
         for other in others:
             first.add_note(f"also failed: {other}")
         return first

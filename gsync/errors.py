@@ -19,11 +19,22 @@ __all__ = (
     "WorkerFailed",
     "SyncFailed",
     "SyncTimeout",
+    "NonFiniteLoss",
+    "ReplicasDiverged",
 )
 
 
 class GsyncError(Exception):
-    """Base class of every error gsync raises on purpose."""
+    """Base class of every error gsync raises on purpose.
+
+    When raised from ``fit``, ``last_step`` is the last step (0-based) whose
+    update every device agreed on, or ``None`` when none was, and
+    ``checkpoint`` (a :class:`gsync.Checkpoint`) holds the model and optimizer
+    state as of that step: pass it to ``fit(..., resume=checkpoint)``.
+    """
+
+    last_step: int | None = None
+    checkpoint: Any = None
 
 
 class ConfigError(GsyncError, ValueError):
@@ -47,15 +58,9 @@ class MailboxClosed(GsyncError, RuntimeError):
 
 
 class FitError(GsyncError, RuntimeError):
-    """Base class of the errors that end a ``fit`` midway.
+    """Base class of the errors that end a ``fit`` midway (see :class:`GsyncError` for what they carry)."""
 
-    ``last_step`` is the last step (0-based) that completed on every device, or
-    ``None`` when none did; ``checkpoint`` holds the model and optimizer state
-    as of that step (see :class:`gsync.Checkpoint`), so no consistent work is lost.
-    """
-
-    last_step: int | None = None
-    checkpoint: Any = None
+    others: tuple[FitError, ...] = ()
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -66,8 +71,10 @@ class FitError(GsyncError, RuntimeError):
 class WorkerFailed(FitError):
     """Training code raised on one device; the original exception is ``__cause__``.
 
-    ``others`` lists the failures of further devices that failed before their
-    peers were cancelled, earliest first.
+    ``site`` is the phase that raised: ``data`` (moving the shard to the
+    device), ``forward`` (the model and ``loss_fn``), ``backward`` or
+    ``optimizer``. ``others`` lists the failures of further devices that failed
+    before their peers were cancelled, earliest first.
     """
 
     def __init__(self, device: str, device_index: int, step: int, site: str) -> None:
@@ -76,7 +83,6 @@ class WorkerFailed(FitError):
         self.device_index = device_index
         self.step = step
         self.site = site
-        self.others: tuple[FitError, ...] = ()
 
 
 class SyncFailed(FitError):
@@ -90,7 +96,6 @@ class SyncFailed(FitError):
         super().__init__(f"{what} failed at step {step}" + (f": {detail}" if detail else ""))
         self.step = step
         self.bucket = bucket
-        self.others: tuple[FitError, ...] = ()
 
 
 class SyncTimeout(FitError, TimeoutError):
@@ -125,4 +130,30 @@ class SyncTimeout(FitError, TimeoutError):
         if self.unreduced:
             parts.append(f"buckets whose all-reduce never finished: {list(self.unreduced)}")
         super().__init__("; ".join(parts))
-        self.others: tuple[FitError, ...] = ()
+
+
+class NonFiniteLoss(FitError, FloatingPointError):
+    """A device's loss was NaN or infinite (with ``on_nonfinite="raise"``, the default)."""
+
+    def __init__(self, device: str, device_index: int, step: int, value: float) -> None:
+        super().__init__(
+            f"loss on device {device} at step {step} is {value}; lower the learning rate, check the data, "
+            "or pass on_nonfinite='skip' to skip such steps on every device"
+        )
+        self.device = device
+        self.device_index = device_index
+        self.step = step
+        self.value = value
+
+
+class ReplicasDiverged(FitError):
+    """Replicas that must hold equal parameters do not (checked every ``check_replicas_every`` steps)."""
+
+    def __init__(self, step: int, fingerprints: dict[str, float]) -> None:
+        shown = ", ".join(f"{device}: {value!r}" for device, value in fingerprints.items())
+        super().__init__(
+            f"replicas differ after step {step} (parameter fingerprints {shown}); something changed one replica "
+            "outside the optimizer (a loss_fn writing to parameters, a non-deterministic custom op)"
+        )
+        self.step = step
+        self.fingerprints = dict(fingerprints)

@@ -1,4 +1,8 @@
-"""The feeder: reads global batches, splits them, and hands each device its shard.
+"""The feeder: reads global batches, splits them, and hands each local device its shard.
+
+Every process reads the same global batches; each batch is split across all
+devices of all processes in rank-major order and this process keeps its own
+shards (see :class:`~gsync.topology.Topology`).
 
 It validates each batch before dispatching it, announces the step to the sync
 server (``StepDispatched``, with every device's row count, from which the
@@ -23,6 +27,7 @@ from .actor import Shard
 from .batches import batch_rows, shard_rows, split_batch
 from .errors import ConfigError, GsyncError
 from .mailbox import Mailbox
+from .topology import Topology
 from .messages import Close, ServerMessage, StepDispatched
 
 __all__ = ("Feeder", "DataFailed")
@@ -48,6 +53,7 @@ class Feeder:
         server: Mailbox[ServerMessage],
         shard_streams: Sequence[ObjectSendStream[Shard]],
         loop: LoopHandle,
+        topology: Topology,
         first_step: int = 0,
     ) -> None:
         self._data = data
@@ -56,6 +62,7 @@ class Feeder:
         self._streams = shard_streams
         self._loop = loop
         self._first_step = first_step
+        self._topology = topology
         self.worker: WorkerThread | None = None
         self.steps_dispatched = 0
 
@@ -64,14 +71,21 @@ class Feeder:
 
         :raises ~gsync.ConfigError: for an epoch with no batch or an invalid batch.
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
+
+        With ``first_step`` > 0 (resuming), the first ``first_step`` batches
+        are read and dropped, so ``data`` must yield the same batches in the
+        same order as in the run being resumed.
         """
-        step = self._first_step
+        step = 0
         try:
             for epoch in range(self._epochs):
                 batches = 0
                 async with aclosing(self._batches(step)) as batches_of_epoch:
                     async for batch in batches_of_epoch:
-                        await self._dispatch(step, batch)
+                        # Resuming replays the data and skips the batches the
+                        # checkpoint already includes.
+                        if step >= self._first_step:
+                            await self._dispatch(step, batch)
                         step += 1
                         batches += 1
                 if batches == 0:
@@ -88,10 +102,12 @@ class Feeder:
 
     async def _dispatch(self, step: int, batch: Any) -> None:
         rows = batch_rows(batch, step)
-        counts = shard_rows(rows, len(self._streams))
-        self._server.post(StepDispatched(step, tuple(counts)))
+        local = self._topology.local_slice
+        counts = shard_rows(rows, self._topology.world_devices)[local]
+        shards = split_batch(batch, self._topology.world_devices)[local]
+        self._server.post(StepDispatched(step, tuple(counts), rows))
         self.steps_dispatched += 1
-        for stream, shard, count in zip(self._streams, split_batch(batch, len(self._streams)), counts):
+        for stream, shard, count in zip(self._streams, shards, counts):
             await stream.send(Shard(step, count, rows, shard))
 
     async def _batches(self, step: int) -> Any:

@@ -28,23 +28,30 @@ class _Message(msgspec.Struct, tag=True, frozen=True, gc=False, array_like=True)
 
 
 class StepDispatched(_Message):
-    """The feeder handed step ``step``'s shards to the devices; ``rows[i]`` is device i's shard size."""
+    """The feeder handed step ``step``'s shards to the local devices.
+
+    ``rows[i]`` is local device i's shard size; ``total_rows`` the global
+    batch size over all processes. The reduction weights follow from them.
+    """
 
     step: int
     rows: tuple[int, ...]
+    total_rows: int
 
 
 class BucketReady(_Message):
     """Every gradient of ``bucket`` is final on ``device`` for ``step``.
 
     ``unused`` names the parameters (global indices) of the bucket that got no
-    gradient on this device; their slots in the bucket hold zeros.
+    gradient on this device; their slots in the bucket hold zeros. ``skip``
+    says the device's loss was not finite and the step must not be applied.
     """
 
     device: int
     step: int
     bucket: int
     unused: tuple[int, ...] = ()
+    skip: bool = False
 
 
 class BucketReduced(_Message):
@@ -72,10 +79,13 @@ class StepSynced(_Message):
 
     ``unused`` names the parameters that got no gradient on any device; the
     optimizer must see ``grad=None`` for them, as it would on one device.
+    ``skip`` tells every device to leave this step's update out (a device's
+    loss was not finite, with ``on_nonfinite="skip"``).
     """
 
     step: int
     unused: tuple[int, ...] = ()
+    skip: bool = False
 
 
 class Close(_Message):

@@ -64,6 +64,8 @@ class SyncServer:
         self.comm = WorkerThread("gsync-comm", loop)
         self.bucket_ready_received = 0
         self.steps_synced = 0
+        self.last_synced = -1
+        self.skipped_steps: list[int] = []
         self._plan = plan
         self._device_names = list(device_names)
         self._grads = grads
@@ -98,8 +100,7 @@ class SyncServer:
 
     async def _sync_step(self, dispatched: StepDispatched) -> None:
         step = dispatched.step
-        total_rows = sum(dispatched.rows)
-        weights = [rows / total_rows for rows in dispatched.rows]
+        weights = [rows / dispatched.total_rows for rows in dispatched.rows]
         num_buckets = len(self._plan.buckets)
         num_devices = len(self._devices)
         arrived = [bytearray(num_devices) for _ in range(num_buckets)]
@@ -108,14 +109,16 @@ class SyncServer:
         next_launch = 0
         reduced = 0
         buffers_done = self._buffers.empty
+        skip = False
 
         with anyio.move_on_after(self._timeout) as deadline:
             while reduced < num_buckets or not buffers_done:
                 message = await self.mailbox.receive()
                 match message:
-                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
+                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing, skip=device_skips):
                         self._expect_step(step, at, message)
                         self.bucket_ready_received += 1
+                        skip = skip or device_skips
                         arrived[bucket][device] = 1
                         ready_count[bucket] += 1
                         unused[bucket] = set(missing) if unused[bucket] is None else unused[bucket] & set(missing)  # type: ignore[operator]
@@ -126,7 +129,7 @@ class SyncServer:
                         self._expect_step(step, at, message)
                         reduced += 1
                         if reduced == num_buckets and not buffers_done:
-                            self._submit(step, _BUFFERS, partial(self._buffers.broadcast, self._collective))
+                            self._submit(step, _BUFFERS, partial(self._buffers.broadcast, self._collective, step))
                     case BuffersSynced(step=at):
                         self._expect_step(step, at, message)
                         buffers_done = True
@@ -146,9 +149,12 @@ class SyncServer:
             raise SyncTimeout(step, self._timeout, missing_pairs, unreduced)
 
         no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
+        self.last_synced = step
         self.steps_synced += 1
+        if skip:
+            self.skipped_steps.append(step)
         for mailbox in self._devices:
-            mailbox.post(StepSynced(step, no_gradient))
+            mailbox.post(StepSynced(step, no_gradient, skip))
 
     def _expect_step(self, step: int, at: int, message: ServerMessage) -> None:
         if at != step:

@@ -14,12 +14,12 @@ from gsync.messages import BucketReady, Close, DeviceMessage, ServerMessage, Ste
 @pytest.mark.asyncio
 async def test_messages_arrive_in_order_from_loop_and_threads() -> None:
     box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
-    box.post(StepDispatched(0, (4, 4)))
+    box.post(StepDispatched(0, (4, 4), 8))
     poster = threading.Thread(target=lambda: [box.post_threadsafe(BucketReady(0, 0, b)) for b in range(3)])
     poster.start()
     poster.join()
     received = [await box.receive() for _ in range(4)]
-    assert received == [StepDispatched(0, (4, 4))] + [BucketReady(0, 0, b) for b in range(3)]
+    assert received == [StepDispatched(0, (4, 4), 8)] + [BucketReady(0, 0, b) for b in range(3)]
     box.discard()
 
 
@@ -58,7 +58,7 @@ async def test_reading_a_closed_drained_mailbox_raises_instead_of_hanging() -> N
 
 def test_messages_encode_as_tagged_msgpack() -> None:
     decoder = msgspec.msgpack.Decoder(ServerMessage)
-    for message in (StepDispatched(3, (2, 1)), BucketReady(1, 3, 2, (5, 7)), Close("done")):
+    for message in (StepDispatched(3, (2, 1), 3), BucketReady(1, 3, 2, (5, 7)), Close("done")):
         assert decoder.decode(msgspec.msgpack.encode(message)) == message
     with pytest.raises(AttributeError):
         BucketReady(0, 0, 0).step = 1  # type: ignore[misc]
