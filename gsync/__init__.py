@@ -1,5 +1,6 @@
 """gsync: an asyncio, actor-style gradient synchronization engine for PyTorch data-parallel training."""
 
+from .checkpoint import Checkpoint as Checkpoint
 from .comm.base import Collective as Collective
 from .comm.local import LocalCollective as LocalCollective
 from .engine import Engine as Engine
@@ -10,6 +11,8 @@ from .errors import FitError as FitError
 from .errors import GsyncError as GsyncError
 from .errors import InputTypeError as InputTypeError
 from .errors import MailboxClosed as MailboxClosed
+from .errors import NonFiniteLoss as NonFiniteLoss
+from .errors import ReplicasDiverged as ReplicasDiverged
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
 from .errors import WorkerFailed as WorkerFailed
@@ -18,6 +21,7 @@ from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
 
 __all__ = (
+    "Checkpoint",
     "Collective",
     "ConfigError",
     "DataFailed",
@@ -29,6 +33,8 @@ __all__ = (
     "InputTypeError",
     "LocalCollective",
     "MailboxClosed",
+    "NonFiniteLoss",
+    "ReplicasDiverged",
     "SyncFailed",
     "SyncTimeout",
     "Trace",

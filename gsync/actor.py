@@ -126,6 +126,7 @@ class DeviceActor:
         # is idle, to pick the replica a checkpoint is taken from.
         self.applied_step = -1
         self.optimizer_dirty = False
+        self.failure: GsyncError | None = None
         self._context = context
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
@@ -236,15 +237,30 @@ class DeviceActor:
 
     # -- on the event loop -----------------------------------------------------
 
-    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+    def _guarded(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a job in the worker thread, turning a failure into gsync's error right where it happens.
+
+        The failure is stamped and kept on the actor before it propagates, and
+        the abort flag is raised at once, so peers stop at their next phase
+        boundary and a failure whose task was already cancelled is still reported.
+        """
         try:
-            return await self.worker.run(lambda: fn(*args))
-        except GsyncError:
+            return fn(*args)
+        except FitAborted:
+            raise
+        except GsyncError as error:
+            self.failure = error
             self._context.abort.set()
             raise
         except Exception as error:
+            failure = WorkerFailed(self.spec.name, self.index, self.step, self.site)
+            failure.__cause__ = error
+            self.failure = failure
             self._context.abort.set()
-            raise WorkerFailed(self.spec.name, self.index, self.step, self.site) from error
+            raise failure from error
+
+    async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.worker.run(lambda: self._guarded(fn, *args))
 
     async def run(self, shards: ObjectReceiveStream[Shard]) -> None:
         """Train on every shard received, until the feeder closes ``shards`` and ``Close`` arrives.

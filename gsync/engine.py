@@ -264,7 +264,9 @@ class _FitRun:
         optimizers = [_build_optimizer(self.optimizer_factory, replica) for replica in replicas]
         if self.resume is not None:
             for optimizer in optimizers:
-                optimizer.load_state_dict(self.resume.optimizer_state)
+                # load_state_dict keeps tensors that need no cast as they are:
+                # without a copy, every replica would step one shared momentum buffer.
+                optimizer.load_state_dict(copy.deepcopy(self.resume.optimizer_state))
         return optimizers
 
     async def execute(self) -> FitResult:
@@ -314,6 +316,9 @@ class _FitRun:
             loop=loop,
             sync_timeout=engine.sync_timeout,
             trace=trace,
+            site_hooks=context.site_hooks,
+            abort=abort,
+            last_seen=lambda device: f"step {actors[device].step}, {actors[device].site}",
         )
         feeder = Feeder(
             data=self.data,
@@ -325,6 +330,7 @@ class _FitRun:
             first_step=self.first_step,
         )
         failure: BaseException | None = None
+        failure_group: BaseExceptionGroup[Any] | None = None
         try:
             try:
                 async with anyio.create_task_group() as group:
@@ -333,7 +339,7 @@ class _FitRun:
                         group.start_soon(actor.run, receive)
                     group.start_soon(feeder.run)
             except BaseExceptionGroup as errors:
-                failure = _first_failure(errors)
+                failure_group = errors
         finally:
             abort.set()
             for send, receive in streams:
@@ -342,7 +348,15 @@ class _FitRun:
             server_mailbox.discard()
             await _teardown(actors, server, feeder)
             collective.close()
+        if failure_group is not None:
+            # Devices that failed while the group was already ending (up to the
+            # end of teardown) had their tasks cancelled before they could
+            # raise; their failures were kept on the actor.
+            late = [a.failure for a in actors if isinstance(a.failure, FitError)]
+            failure = _first_failure(failure_group, late)
 
+        if failure is None:
+            failure = feeder.deferred_error
         if failure is not None:
             if isinstance(failure, GsyncError):
                 self._attach_checkpoint(failure, actors, buffers)
@@ -416,16 +430,18 @@ def _flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     return found
 
 
-def _first_failure(group: BaseExceptionGroup[Any]) -> BaseException:
+def _first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = ()) -> BaseException:
     """Pick the one exception ``fit`` raises out of everything the task group collected.
 
     Bad input comes first (it is the root cause of anything that followed);
     then gsync's failures by time, the earliest carrying the others; then
-    anything else (a bug, or a cancellation).
+    anything else (a bug, or a cancellation). ``late`` are failures recorded
+    by devices whose tasks were cancelled before they could raise them.
     """
     errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
     if not errors:
         return group.exceptions[0]
+    errors += [e for e in late if all(e is not seen for seen in errors)]
     for error in errors:
         if isinstance(error, (ConfigError, InputTypeError)):
             return error

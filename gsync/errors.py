@@ -103,7 +103,8 @@ class SyncTimeout(FitError, TimeoutError):
 
     ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
     ``unreduced`` the buckets that were ready everywhere but whose reduction
-    never finished; ``stalled_devices`` the device names involved.
+    never finished; ``stalled_devices`` the device names involved, and
+    ``last_seen`` where each of them was last seen (e.g. ``"step 2, optimizer"``).
     """
 
     def __init__(
@@ -114,15 +115,20 @@ class SyncTimeout(FitError, TimeoutError):
         unreduced: Sequence[int] = (),
         stalled_devices: Sequence[str] = (),
         phase: str = "gradient sync",
+        last_seen: dict[str, str] | None = None,
     ) -> None:
         self.step = step
         self.timeout = timeout
         self.missing = tuple(missing)
         self.unreduced = tuple(unreduced)
         self.stalled_devices = tuple(stalled_devices) or tuple(dict.fromkeys(d for d, _ in self.missing))
+        self.last_seen = dict(last_seen or {})
         parts = [f"step {step} did not complete its {phase} within {timeout:g} s"]
         if self.stalled_devices:
-            parts.append(f"stalled devices: {', '.join(self.stalled_devices)}")
+            described = [
+                f"{d} (last seen in {self.last_seen[d]})" if d in self.last_seen else d for d in self.stalled_devices
+            ]
+            parts.append(f"stalled devices: {', '.join(described)}")
         if self.missing:
             shown = ", ".join(f"({d}, bucket {b})" for d, b in self.missing[:16])
             more = f" and {len(self.missing) - 16} more" if len(self.missing) > 16 else ""

@@ -25,7 +25,7 @@ from anyio.abc import ObjectSendStream
 from ._threads import LoopHandle, WorkerThread
 from .actor import Shard
 from .batches import batch_rows, shard_rows, split_batch
-from .errors import ConfigError, GsyncError
+from .errors import ConfigError, GsyncError, InputTypeError
 from .mailbox import Mailbox
 from .topology import Topology
 from .messages import Close, ServerMessage, StepDispatched
@@ -65,6 +65,7 @@ class Feeder:
         self._topology = topology
         self.worker: WorkerThread | None = None
         self.steps_dispatched = 0
+        self.deferred_error: GsyncError | None = None
 
     async def run(self) -> None:
         """Dispatch every batch of every epoch, then post ``Close`` to the server.
@@ -72,33 +73,45 @@ class Feeder:
         :raises ~gsync.ConfigError: for an epoch with no batch or an invalid batch.
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
 
+        Only a failure before the first dispatch is raised here. A later one
+        ends the data as if it had run out, so the steps already dispatched
+        complete on every device; it is kept in ``deferred_error`` for the
+        engine to raise once they have.
+
         With ``first_step`` > 0 (resuming), the first ``first_step`` batches
         are read and dropped, so ``data`` must yield the same batches in the
         same order as in the run being resumed.
         """
-        step = 0
         try:
-            for epoch in range(self._epochs):
-                batches = 0
-                async with aclosing(self._batches(step)) as batches_of_epoch:
-                    async for batch in batches_of_epoch:
-                        # Resuming replays the data and skips the batches the
-                        # checkpoint already includes.
-                        if step >= self._first_step:
-                            await self._dispatch(step, batch)
-                        step += 1
-                        batches += 1
-                if batches == 0:
-                    raise ConfigError(
-                        "data yielded no batch" if epoch == 0
-                        else f"data yielded no batch in epoch {epoch}: pass a re-iterable (a list or a DataLoader), not a one-shot iterator"
-                    )
-            self._server.post(Close("end of data"))
+            await self._feed()
+        except (ConfigError, InputTypeError, DataFailed) as error:
+            if self.steps_dispatched == 0:
+                raise
+            self.deferred_error = error
         finally:
             for stream in self._streams:
                 stream.close()
             if self.worker is not None:
                 self.worker.stop()
+        self._server.post(Close("end of data"))
+
+    async def _feed(self) -> None:
+        step = 0
+        for epoch in range(self._epochs):
+            batches = 0
+            async with aclosing(self._batches(step)) as batches_of_epoch:
+                async for batch in batches_of_epoch:
+                    # Resuming replays the data and skips the batches the
+                    # checkpoint already includes.
+                    if step >= self._first_step:
+                        await self._dispatch(step, batch)
+                    step += 1
+                    batches += 1
+            if batches == 0:
+                raise ConfigError(
+                    "data yielded no batch" if epoch == 0
+                    else f"data yielded no batch in epoch {epoch}: pass a re-iterable (a list or a DataLoader), not a one-shot iterator"
+                )
 
     async def _dispatch(self, step: int, batch: Any) -> None:
         rows = batch_rows(batch, step)

@@ -14,14 +14,17 @@ starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 
 import anyio
+import torch
 
 from ._threads import LoopHandle, Outcome, WorkerThread
+from .actor import SiteHook
 from .buckets import BucketPlan, ReplicaGrads
 from .buffers import BufferSync
 from .comm.base import Collective
@@ -59,6 +62,9 @@ class SyncServer:
         loop: LoopHandle,
         sync_timeout: float,
         trace: Trace | None = None,
+        site_hooks: Sequence[SiteHook] = (),
+        abort: threading.Event | None = None,
+        last_seen: Callable[[int], str] | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.comm = WorkerThread("gsync-comm", loop)
@@ -75,6 +81,9 @@ class SyncServer:
         self._timeout = sync_timeout
         self._backlog: deque[ServerMessage] = deque()
         self._trace = trace
+        self._site_hooks = site_hooks
+        self._abort = abort or threading.Event()
+        self._last_seen = last_seen
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
 
     async def run(self) -> None:
@@ -146,7 +155,9 @@ class SyncServer:
                 if not arrived[bucket][device]
             ]
             unreduced = list(range(reduced, next_launch))
-            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced)
+            stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
+            last_seen = {self._device_names[d]: self._last_seen(d) for d in stalled} if self._last_seen else None
+            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, last_seen=last_seen)
 
         no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
         self.last_synced = step
@@ -162,7 +173,12 @@ class SyncServer:
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
         flats = [grads.flats[bucket] for grads in self._grads]
-        self._submit(step, bucket, partial(self._collective.all_reduce, flats, weights))
+        self._submit(step, bucket, partial(self._reduce, step, flats, weights))
+
+    def _reduce(self, step: int, flats: list[torch.Tensor], weights: list[float]) -> None:
+        for hook in self._site_hooks:
+            hook(-1, step, "all_reduce", self._abort)
+        self._collective.all_reduce(flats, weights)
 
     def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
         if self._trace is not None:

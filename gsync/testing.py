@@ -1,0 +1,122 @@
+"""Fault injection, so you can test your own training code's error paths.
+
+Make a chosen device fail or stall at a chosen step and site, exactly where
+gsync's own failure handling sees real faults::
+
+    import gsync, gsync.testing
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=3, site="backward")):
+        with pytest.raises(gsync.WorkerFailed) as caught:
+            await engine.fit(...)
+    assert caught.value.device_index == 1 and caught.value.step == 3
+
+Sites are the phases of a step: ``"data"`` (moving the shard to the device),
+``"forward"`` (model and ``loss_fn``), ``"backward"``, ``"optimizer"``, and
+``"all_reduce"`` (the communication thread, before a bucket's reduction;
+``device`` is ignored there). Each fault fires once, at its first match.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+from .engine import Engine
+
+__all__ = ("Fault", "InjectedFault", "fail", "stall", "inject", "Site")
+
+Site = Literal["data", "forward", "backward", "optimizer", "all_reduce"]
+_SITES = ("data", "forward", "backward", "optimizer", "all_reduce")
+_COMM_DEVICE = -1
+
+
+class InjectedFault(RuntimeError):
+    """The default exception a :func:`fail` fault raises."""
+
+
+@dataclass
+class Fault:
+    device: int | None
+    step: int
+    site: Site
+    error: BaseException | None = None
+    stall: bool = False
+    interruptible: bool = True
+    reached: threading.Event = field(default_factory=threading.Event)
+    """Set when the fault fires (from the worker thread)."""
+    release: threading.Event = field(default_factory=threading.Event)
+    """Set it to let a stall continue."""
+    fired_at: float | None = None
+    """``time.monotonic()`` when the fault fired."""
+
+    def matches(self, device: int, step: int, site: str) -> bool:
+        if self.reached.is_set() or step != self.step or site != self.site:
+            return False
+        return site == "all_reduce" or self.device is None or self.device == device
+
+    def fire(self, abort: threading.Event) -> None:
+        self.fired_at = time.monotonic()
+        self.reached.set()
+        if not self.stall:
+            raise self.error or InjectedFault(f"injected fault at device {self.device}, step {self.step}, {self.site}")
+        if not self.interruptible:
+            self.release.wait()
+            return
+        # Stop stalling when the fit ends (as a well-behaved stuck op would be
+        # interrupted), or when released.
+        while not (abort.is_set() or self.release.is_set()):
+            abort.wait(0.01)
+
+
+def _check(device: int | None, step: int, site: str) -> None:
+    if site not in _SITES:
+        raise ValueError(f"site must be one of {_SITES}, got {site!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if device is not None and device < 0:
+        raise ValueError(f"device must be a device index >= 0, got {device}")
+
+
+def fail(device: int | None, step: int, site: Site, error: BaseException | None = None) -> Fault:
+    """A fault that raises ``error`` (default :class:`InjectedFault`) on ``device`` when ``step`` reaches ``site``."""
+    _check(device, step, site)
+    return Fault(device, step, site, error=error)
+
+
+def stall(device: int | None, step: int, site: Site, *, interruptible: bool = True) -> Fault:
+    """A fault that blocks ``device`` at ``site`` of ``step``.
+
+    An interruptible stall ends when the fit ends (like an operation that
+    honours cancellation) or when ``fault.release`` is set. A
+    non-interruptible one ignores the fit and blocks until ``fault.release``
+    is set, like native code that cannot be interrupted: set it before your
+    test ends.
+    """
+    _check(device, step, site)
+    return Fault(device, step, site, stall=True, interruptible=interruptible)
+
+
+class _Injector:
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self.faults = list(faults)
+
+    def __call__(self, device: int, step: int, site: str, abort: threading.Event) -> None:
+        for fault in self.faults:
+            if fault.matches(device, step, site):
+                fault.fire(abort)
+
+
+@contextmanager
+def inject(engine: Engine, *faults: Fault) -> Iterator[Sequence[Fault]]:
+    """Arm ``faults`` for every ``fit`` of ``engine`` started inside the block."""
+    injector = _Injector(faults)
+    engine._site_hooks.append(injector)
+    try:
+        yield faults
+    finally:
+        engine._site_hooks.remove(injector)

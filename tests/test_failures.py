@@ -1,0 +1,315 @@
+"""Failure semantics: root cause within a second, nothing hangs, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+import gsync
+import gsync.testing
+from conftest import (
+    TiedNet,
+    assert_no_tasks_left,
+    assert_same_state,
+    classification_loss,
+    gsync_threads,
+    make_batches,
+    sgd,
+    train_reference,
+)
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+STEPS = 5
+
+
+class Normed(nn.Module):
+    """Parameters and BatchNorm buffers, so checkpoints must get both right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def fit_args(steps: int = STEPS) -> dict[str, Any]:
+    return {"data": make_batches(steps, 12), "optimizer": sgd, "loss_fn": classification_loss}
+
+
+@pytest.mark.parametrize("site", ["data", "forward", "backward", "optimizer"])
+@pytest.mark.parametrize("device", [0, 1])
+@pytest.mark.parametrize("step", [0, 2, STEPS - 1])
+async def test_device_failure_matrix(site: str, device: int, step: int, no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    fault = gsync.testing.fail(device=device, step=step, site=site)  # type: ignore[arg-type]
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(TiedNet(), **fit_args())
+    raised_at = time.monotonic()
+
+    error = caught.value
+    assert (error.device, error.device_index, error.step, error.site) == (f"cpu:{device}", device, step, site)
+    assert isinstance(error.__cause__, gsync.testing.InjectedFault)
+    assert error.__cause__.__traceback__ is not None
+    assert fault.fired_at is not None and raised_at - fault.fired_at < 1.0
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    # Nothing lost: the checkpoint is at most one step behind the failure.
+    assert error.checkpoint is not None
+    assert error.checkpoint.step in (step - 1, step) if site == "optimizer" else error.checkpoint.step == step - 1
+    assert error.last_step == (error.checkpoint.step if error.checkpoint.step >= 0 else None)
+
+
+async def test_several_failures_report_the_earliest_and_keep_the_others(no_leaks: None) -> None:
+    device_0_inside, device_2_failing = threading.Event(), threading.Event()
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        device = int(batch[0][0, 0])  # the marker written below
+        if device == 2:
+            device_0_inside.wait(5)
+            device_2_failing.set()
+            raise ValueError("device 2")
+        if device == 0:
+            device_0_inside.set()
+            device_2_failing.wait(5)
+            raise KeyError("device 0")
+        return classification_loss(model, batch)
+
+    batch = make_batches(1, 12)[0]
+    batch[0][:, 0] = torch.arange(12) // 4  # each row names the device of its shard
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"])
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(TiedNet(), [batch], optimizer=sgd, loss_fn=loss_fn)
+    error = caught.value
+    reported = [error, *error.others]
+    assert sorted(e.device_index for e in reported) == [0, 2]  # type: ignore[attr-defined]
+    assert all(other.at >= error.at for other in error.others)
+    assert {type(e.__cause__) for e in reported} == {ValueError, KeyError}
+    assert all(str(other) in "\n".join(error.__notes__) for other in error.others)
+
+
+async def test_collective_failure_is_sync_failed_naming_bucket_and_step(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    fault = gsync.testing.fail(device=None, step=3, site="all_reduce", error=OSError("link down"))
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncFailed) as caught:
+        await engine.fit(TiedNet(), **fit_args())
+    assert (caught.value.step, caught.value.bucket) == (3, 0)
+    assert isinstance(caught.value.__cause__, OSError)
+    assert caught.value.last_step == 2
+
+
+@pytest.mark.parametrize("site", ["forward", "backward", "optimizer"])
+async def test_stalled_device_raises_sync_timeout_naming_it(site: str, no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3)
+    fault = gsync.testing.stall(device=1, step=2, site=site)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        await engine.fit(TiedNet(), **fit_args())
+    assert fault.fired_at is not None
+    assert time.monotonic() - fault.fired_at < 0.3 + 1.0
+    error = caught.value
+    assert isinstance(error, TimeoutError)
+    assert error.stalled_devices == ("cpu:1",)
+    assert "cpu:1" in str(error)
+    if site == "optimizer":
+        # Device 0 has moved on to step 3; either the server (step 3 never
+        # arrived from cpu:1) or cpu:1's own optimizer timer reports first.
+        assert error.step in (2, 3) and "optimizer" in str(error)
+    else:
+        assert error.step == 2 and error.missing and {d for d, _ in error.missing} == {"cpu:1"}
+        assert error.last_seen == {"cpu:1": f"step 2, {site}"}
+    assert time.monotonic() - started < 10
+
+
+async def test_uninterruptible_stall_still_raises_in_time_and_the_thread_ends_when_released() -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3)
+    fault = gsync.testing.stall(device=0, step=1, site="forward", interruptible=False)
+    try:
+        with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+            await engine.fit(TiedNet(), **fit_args())
+        assert fault.fired_at is not None and time.monotonic() - fault.fired_at < 0.3 + 1.0
+        assert caught.value.stalled_devices == ("cpu:0",)
+        # The stuck thread is the one gsync cannot stop; it is still blocked.
+        assert gsync_threads() == ["gsync-device-0"]
+    finally:
+        fault.release.set()
+    stuck = [t for t in threading.enumerate() if t.name == "gsync-device-0"]
+    for thread in stuck:
+        thread.join(5)
+    assert gsync_threads() == []
+
+
+@pytest.mark.parametrize("how", ["cancel_scope", "task_cancel"])
+async def test_cancellation_from_outside_stops_everything_and_propagates(how: str, no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    fault = gsync.testing.stall(device=1, step=2, site="backward")
+    with gsync.testing.inject(engine, fault):
+        if how == "cancel_scope":  # what anyio.move_on_after / fail_after do when their deadline passes
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(functools.partial(engine.fit, TiedNet(), **fit_args()))
+                    await anyio.to_thread.run_sync(fault.reached.wait, 10)
+                    cancelled_at = time.monotonic()
+                    scope.cancel()
+            assert scope.cancelled_caught
+        else:
+            task = asyncio.create_task(engine.fit(TiedNet(), **fit_args()))
+            await anyio.to_thread.run_sync(fault.reached.wait, 10)
+            cancelled_at = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    assert time.monotonic() - cancelled_at < 1.0
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    # The engine is usable again.
+    result = await engine.fit(TiedNet(), **fit_args(2))
+    assert len(result.losses) == 2
+
+
+async def test_no_traceback_escapes_any_thread(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    escaped: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", escaped.append)
+    loop_errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, context: loop_errors.append(context))
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], sync_timeout=0.3)
+    for fault in (
+        gsync.testing.fail(device=1, step=1, site="backward"),
+        gsync.testing.stall(device=2, step=1, site="forward"),
+        gsync.testing.fail(device=None, step=2, site="all_reduce"),
+    ):
+        with gsync.testing.inject(engine, fault), pytest.raises(gsync.FitError):
+            await engine.fit(Normed(), **fit_args())
+    assert escaped == [] and loop_errors == []
+    out, err = capfd.readouterr()
+    assert "Traceback" not in err + out and "Exception in" not in err + out
+
+
+def _run_with_checkpoints(
+    engine: gsync.Engine, model: nn.Module, batches: list[Any], fault: gsync.testing.Fault, epochs: int = 1
+) -> nn.Module:
+    async def go() -> nn.Module:
+        with gsync.testing.inject(engine, fault), pytest.raises(gsync.FitError) as caught:
+            await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss, epochs=epochs)
+        checkpoint = caught.value.checkpoint
+        assert isinstance(checkpoint, gsync.Checkpoint)
+        result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss, epochs=epochs, resume=checkpoint)
+        assert result.first_step == checkpoint.next_step
+        return result.model
+
+    return go()  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("site", ["forward", "backward", "optimizer"])
+@pytest.mark.parametrize("step", [0, 3, 6])
+async def test_resume_after_failure_equals_a_run_that_never_failed(site: str, step: int, no_leaks: None) -> None:
+    # BatchNorm normalises by shard statistics, so the reference is an
+    # unfailed gsync run with the same split, not one-device training.
+    torch.manual_seed(0)
+    model = Normed()
+    batches = make_batches(4, 12)
+    unfailed = await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+        copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, epochs=2
+    )
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    fault = gsync.testing.fail(device=1, step=step, site=site)  # type: ignore[arg-type]
+    resumed = await _run_with_checkpoints(engine, model, batches, fault, epochs=2)
+    assert_same_state(resumed, unfailed.model, atol=1e-6)
+    assert int(resumed.norm.num_batches_tracked) == 8
+
+
+async def test_failed_fit_leaves_the_model_untouched_and_the_checkpoint_loads_into_it() -> None:
+    model = TiedNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with gsync.testing.inject(engine, gsync.testing.fail(1, 3, "backward")), pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(model, **fit_args())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert caught.value.last_step == 2
+    model.load_state_dict(caught.value.checkpoint.model_state)
+    expected, _ = train_reference(TiedNet(), [])  # just the class; compare against a 3-step reference below
+    reference_model = TiedNet()
+    reference_model.load_state_dict(before)
+    reference_model, _ = train_reference(reference_model, fit_args()["data"][:3])
+    assert_same_state(model, reference_model)
+    del expected
+
+
+async def test_non_finite_loss_raises_naming_device_and_step() -> None:
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        loss = classification_loss(model, batch)
+        if batch[0].shape[0] == 4:  # device 1's shard of the 9-row batch (5 + 4)
+            return loss * float("nan")
+        return loss
+
+    batches = make_batches(3, 12) + [(torch.randn(9, 12), torch.randint(0, 5, (9,)))]
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with pytest.raises(gsync.NonFiniteLoss) as caught:
+        await engine.fit(TiedNet(), batches, optimizer=sgd, loss_fn=loss_fn)
+    assert (caught.value.device, caught.value.step) == ("cpu:1", 3)
+    assert caught.value.last_step == 2
+
+
+async def test_non_finite_loss_can_skip_the_step_on_every_device() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(4, 12)
+    poisoned = (batches[2][0].clone(), batches[2][1])
+    poisoned[0][7, 0] = float("nan")  # a row of device 1's shard
+    data = batches[:2] + [poisoned] + batches[2:]
+    expected_model, _ = train_reference(model, batches)
+
+    result = await gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip").fit(
+        model, data, optimizer=sgd, loss_fn=classification_loss
+    )
+    assert result.skipped_steps == [2]
+    assert len(result.losses) == 5 and not torch.isfinite(torch.tensor(result.losses[2]))
+    assert_same_state(model, expected_model)
+
+
+async def test_replica_divergence_is_detected() -> None:
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        if batch[0].shape[0] == 5:  # device 1 of an 11-row batch writes to its replica
+            with torch.no_grad():
+                model.head.bias.add_(1.0)
+        return classification_loss(model, batch)
+
+    batches = make_batches(2, 12) + make_batches(1, 11)
+    engine = gsync.Engine(["cpu:0", "cpu:1"], check_replicas_every=1)
+    with pytest.raises(gsync.ReplicasDiverged) as caught:
+        await engine.fit(TiedNet(), batches, optimizer=sgd, loss_fn=loss_fn)
+    assert caught.value.step == 2 and set(caught.value.fingerprints) == {"cpu:0", "cpu:1"}
+    assert caught.value.last_step is not None
+
+
+async def test_data_iterator_failure_names_the_step() -> None:
+    def broken() -> Any:
+        yield from make_batches(2, 8)
+        raise OSError("disk gone")
+
+    with pytest.raises(gsync.DataFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), broken(), optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.step == 2 and isinstance(caught.value.__cause__, OSError)
+    assert caught.value.last_step == 1
+
+
+async def test_fault_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="site"):
+        gsync.testing.fail(0, 0, "sideways")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step"):
+        gsync.testing.stall(0, -1, "forward")
+
