@@ -1,0 +1,135 @@
+"""The bad-input catalogue: each is refused with a typed error that says what to change,
+before any optimizer step, leaving the user's model untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gsync
+from conftest import TiedNet, classification_loss, gsync_threads, make_batches, sgd
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+BATCHES = make_batches(3, 8)
+
+
+async def refuse(
+    error: type[BaseException],
+    match: str,
+    *,
+    model: nn.Module | None = None,
+    data: Any = BATCHES,
+    optimizer: Any = sgd,
+    loss_fn: Any = classification_loss,
+    **fit_kwargs: Any,
+) -> BaseException:
+    model = model if model is not None else TiedNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(error, match=match) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, data, optimizer=optimizer, loss_fn=loss_fn, **fit_kwargs)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), f"{name} changed"
+    assert gsync_threads() == []
+    return caught.value
+
+
+async def test_model_with_nothing_to_train() -> None:
+    frozen = TiedNet().requires_grad_(False)
+    await refuse(gsync.ConfigError, "no parameter that requires grad", model=frozen)
+
+
+async def test_model_that_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        await gsync.Engine(["cpu"]).fit(lambda x: x, BATCHES, optimizer=sgd, loss_fn=classification_loss)  # type: ignore[arg-type]
+
+
+async def test_optimizer_not_callable() -> None:
+    await refuse(TypeError, "factory", optimizer=torch.optim.SGD(TiedNet().parameters(), lr=0.1))
+
+
+async def test_optimizer_factory_returning_something_else() -> None:
+    await refuse(TypeError, "must return a torch.optim.Optimizer", optimizer=lambda params: params)
+
+
+async def test_optimizer_over_the_wrong_parameters() -> None:
+    other = TiedNet()
+    await refuse(gsync.ConfigError, "build it over the params argument", optimizer=lambda _: torch.optim.SGD(other.parameters(), lr=0.1))
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "match"),
+    [
+        (lambda model, batch: 1.0, "returned a float"),
+        (lambda model, batch: model(batch[0]), "of shape .* must return a scalar"),
+        (lambda model, batch: classification_loss(model, batch).detach(), "does not require grad"),
+    ],
+    ids=["non-tensor", "non-scalar", "no-grad"],
+)
+async def test_bad_loss(loss_fn: Callable[..., Any], match: str) -> None:
+    error = await refuse(TypeError, match, loss_fn=loss_fn)
+    assert isinstance(error, gsync.InputTypeError) and "step 0" in str(error)
+
+
+async def test_empty_data() -> None:
+    await refuse(gsync.ConfigError, "no batch", data=[])
+
+
+async def test_data_that_is_a_tensor_or_not_iterable() -> None:
+    await refuse(TypeError, "single tensor", data=torch.zeros(4, 12))
+    await refuse(TypeError, "iterable", data=42)
+
+
+async def test_one_shot_iterator_over_several_epochs() -> None:
+    await refuse(gsync.ConfigError, "one-shot iterator", data=iter(BATCHES), epochs=2)
+
+
+@pytest.mark.parametrize(
+    ("batch", "error", "match"),
+    [
+        ("text", TypeError, "batch element batch is a str"),
+        ((torch.zeros(8, 12), "labels"), TypeError, r"batch\[1\] is a str"),
+        ((torch.zeros(8, 12), torch.zeros(7, dtype=torch.long)), gsync.ConfigError, "disagree on their size along dim 0"),
+        ((torch.zeros(()),), gsync.ConfigError, "0-d tensor"),
+        ((), gsync.ConfigError, "holds no tensor"),
+    ],
+    ids=["string", "string-leaf", "ragged", "zero-dim", "empty-tuple"],
+)
+async def test_bad_batches(batch: Any, error: type[BaseException], match: str) -> None:
+    await refuse(error, match, data=[batch])
+
+
+async def test_bad_batch_after_good_ones_is_reported_after_the_good_steps_finish() -> None:
+    ragged = (torch.zeros(8, 12), torch.zeros(7, dtype=torch.long))
+    model = TiedNet()
+    with pytest.raises(gsync.ConfigError, match="step 2") as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, BATCHES[:2] + [ragged], optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.last_step == 1  # the two good steps are kept in the checkpoint
+    assert caught.value.checkpoint.step == 1
+
+
+@pytest.mark.parametrize("epochs", [0, -1, 1.5, True])
+async def test_bad_epochs(epochs: Any) -> None:
+    await refuse(gsync.ConfigError, "epochs", epochs=epochs)
+
+
+async def test_bad_resume() -> None:
+    await refuse(TypeError, "gsync.Checkpoint", resume={"step": 3})
+
+
+async def test_bad_engine_options() -> None:
+    with pytest.raises(gsync.ConfigError, match="on_nonfinite"):
+        gsync.Engine(["cpu"], on_nonfinite="ignore")  # type: ignore[arg-type]
+    with pytest.raises(gsync.ConfigError, match="check_replicas_every"):
+        gsync.Engine(["cpu"], check_replicas_every=0)
+
+
+async def test_batch_smaller_than_the_device_count_is_allowed() -> None:
+    result = await gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).fit(
+        TiedNet(), make_batches(2, 1), optimizer=sgd, loss_fn=classification_loss
+    )
+    assert len(result.losses) == 2
