@@ -85,7 +85,11 @@ class ReplicaFingerprints:
 
 @dataclass
 class ActorContext:
-    """What every actor of one ``fit`` shares."""
+    """What every actor of one ``fit`` shares.
+
+    ``plan`` may be replaced once, by the bucket rebuild after the first step;
+    each actor adopts the new plan at the start of its next step.
+    """
 
     plan: BucketPlan
     loss_fn: LossFn
@@ -98,6 +102,8 @@ class ActorContext:
     fingerprints: ReplicaFingerprints | None = None
     trace: Trace | None = None
     site_hooks: Sequence[SiteHook] = field(default_factory=tuple)
+    first_bucket_bytes: int = 1 << 20
+    bucket_cap_bytes: int = 25 << 20
 
 
 class DeviceActor:
@@ -117,8 +123,9 @@ class DeviceActor:
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
         self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
-        self.grads = ReplicaGrads(context.plan, self.params, spec.torch_device)
-        self.readiness = Readiness(context.plan)
+        self.plan = context.plan
+        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device)
+        self.readiness = Readiness(self.plan)
         self.losses: dict[int, float] = {}
         self.site = "data"
         self.step = -1
@@ -168,10 +175,18 @@ class DeviceActor:
             return nullcontext()
         return context.trace.span(site, self.step, self.index)
 
+    def _adopt_plan(self) -> None:
+        """Switch to a rebuilt bucket plan, between steps (gradients are zeroed each step anyway)."""
+        self.plan = self._context.plan
+        self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device)
+        self.readiness = Readiness(self.plan)
+
     def _forward_backward(self, shard: Shard) -> float | None:
         self.step = shard.step
         with self._enter("data"):
             data = move_batch(shard.data, self.spec.torch_device)
+        if self.plan is not self._context.plan:
+            self._adopt_plan()
         self.grads.zero_()
         self.readiness.reset()
         if shard.rows == 0:

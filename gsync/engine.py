@@ -52,6 +52,10 @@ class FitStats:
     buckets: int = 0
     bucket_ready_messages: int = 0
     bucket_sizes: tuple[int, ...] = ()
+    bucket_params: tuple[tuple[str, ...], ...] = ()
+    """Parameter names per bucket, in layout order, of the plan the fit ended with."""
+    rebuilt_buckets: bool = False
+    """Whether the plan was rebuilt from the gradient order observed in the first step."""
 
 
 @dataclass
@@ -298,6 +302,8 @@ class _FitRun:
             fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
             trace=trace,
             site_hooks=tuple(engine._site_hooks),
+            first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
+            bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         )
         streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
         # Worker threads start with their first job, so nothing below needs cleanup until the group runs.
@@ -307,9 +313,9 @@ class _FitRun:
         ]
         server = SyncServer(
             mailbox=server_mailbox,
-            plan=plan,
+            context=context,
             device_names=device_names,
-            grads=[actor.grads for actor in actors],
+            flats=lambda bucket: [actor.grads.flats[bucket] for actor in actors],
             buffers=buffers,
             collective=collective,
             device_mailboxes=[actor.mailbox for actor in actors],
@@ -319,6 +325,7 @@ class _FitRun:
             site_hooks=context.site_hooks,
             abort=abort,
             last_seen=lambda device: f"step {actors[device].step}, {actors[device].site}",
+            after_first_step=lambda: _rebuild_from_observed_order(context, actors[0].readiness.order),
         )
         feeder = Feeder(
             data=self.data,
@@ -374,9 +381,11 @@ class _FitRun:
             checkpoint=Checkpoint.capture(last_step, replicas[0], optimizers[0]),
             stats=FitStats(
                 steps=server.steps_synced,
-                buckets=len(plan.buckets),
+                buckets=len(context.plan.buckets),
                 bucket_ready_messages=server.bucket_ready_received,
-                bucket_sizes=tuple(b.nbytes for b in plan.buckets),
+                bucket_sizes=tuple(b.nbytes for b in context.plan.buckets),
+                bucket_params=tuple(tuple(context.plan.names[p] for p in b.params) for b in context.plan.buckets),
+                rebuilt_buckets=context.plan is not plan,
             ),
             trace=trace,
         )
@@ -404,6 +413,26 @@ class _FitRun:
                 return self.resume
             return Checkpoint.capture(-1, self.model, best.optimizer)
         return Checkpoint.capture(best.applied_step, best.replica, best.optimizer, buffers.snapshot(best.applied_step))
+
+
+def _rebuild_from_observed_order(context: ActorContext, observed: Sequence[int]) -> None:
+    """Rebuild the bucket plan once, from the order gradients became ready in the first step (as DDP does).
+
+    Parameters that got no gradient go last, in reverse registration order.
+    The plan changes only if the assignment differs, so models whose backward
+    follows reverse registration order keep their buffers.
+    """
+    plan = context.plan
+    seen = set(observed)
+    order = list(observed) + [p for p in reversed(range(len(plan.names))) if p not in seen]
+    rebuilt = BucketPlan.build(
+        [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in zip(plan.names, plan.shapes, plan.dtypes)],
+        first_bucket_bytes=context.first_bucket_bytes,
+        bucket_cap_bytes=context.bucket_cap_bytes,
+        order=order,
+    )
+    if [b.params for b in rebuilt.buckets] != [b.params for b in plan.buckets]:
+        context.plan = rebuilt
 
 
 async def _teardown(actors: list[DeviceActor], server: SyncServer, feeder: Feeder) -> None:

@@ -24,8 +24,7 @@ import anyio
 import torch
 
 from ._threads import LoopHandle, Outcome, WorkerThread
-from .actor import SiteHook
-from .buckets import BucketPlan, ReplicaGrads
+from .actor import ActorContext, SiteHook
 from .buffers import BufferSync
 from .comm.base import Collective
 from .errors import SyncFailed, SyncTimeout
@@ -53,9 +52,9 @@ class SyncServer:
         self,
         *,
         mailbox: Mailbox[ServerMessage],
-        plan: BucketPlan,
+        context: ActorContext,
         device_names: Sequence[str],
-        grads: Sequence[ReplicaGrads],
+        flats: Callable[[int], list[torch.Tensor]],
         buffers: BufferSync,
         collective: Collective,
         device_mailboxes: Sequence[Mailbox[DeviceMessage]],
@@ -65,6 +64,7 @@ class SyncServer:
         site_hooks: Sequence[SiteHook] = (),
         abort: threading.Event | None = None,
         last_seen: Callable[[int], str] | None = None,
+        after_first_step: Callable[[], None] | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.comm = WorkerThread("gsync-comm", loop)
@@ -72,9 +72,9 @@ class SyncServer:
         self.steps_synced = 0
         self.last_synced = -1
         self.skipped_steps: list[int] = []
-        self._plan = plan
+        self._context = context
         self._device_names = list(device_names)
-        self._grads = grads
+        self._flats = flats
         self._buffers = buffers
         self._collective = collective
         self._devices = device_mailboxes
@@ -84,6 +84,7 @@ class SyncServer:
         self._site_hooks = site_hooks
         self._abort = abort or threading.Event()
         self._last_seen = last_seen
+        self._after_first_step = after_first_step
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
 
     async def run(self) -> None:
@@ -110,7 +111,7 @@ class SyncServer:
     async def _sync_step(self, dispatched: StepDispatched) -> None:
         step = dispatched.step
         weights = [rows / dispatched.total_rows for rows in dispatched.rows]
-        num_buckets = len(self._plan.buckets)
+        num_buckets = len(self._context.plan.buckets)
         num_devices = len(self._devices)
         arrived = [bytearray(num_devices) for _ in range(num_buckets)]
         ready_count = [0] * num_buckets
@@ -162,6 +163,9 @@ class SyncServer:
         no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
         self.last_synced = step
         self.steps_synced += 1
+        if self.steps_synced == 1 and self._after_first_step is not None:
+            # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
+            self._after_first_step()
         if skip:
             self.skipped_steps.append(step)
         for mailbox in self._devices:
@@ -172,8 +176,7 @@ class SyncServer:
             raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
-        flats = [grads.flats[bucket] for grads in self._grads]
-        self._submit(step, bucket, partial(self._reduce, step, flats, weights))
+        self._submit(step, bucket, partial(self._reduce, step, self._flats(bucket), weights))
 
     def _reduce(self, step: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         for hook in self._site_hooks:

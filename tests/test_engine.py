@@ -160,3 +160,40 @@ async def test_worker_exception_surfaces_as_worker_failed(no_leaks: None) -> Non
     assert isinstance(error.__cause__, RuntimeError) and "boom on device 1" in str(error.__cause__)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), name
+
+
+class RegisteredBackwards(nn.Module):
+    """Registered head first, so reverse registration order is the reverse of backward's order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 5)
+        self.middle = nn.Linear(64, 64)
+        self.stem = nn.Linear(12, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.middle(torch.relu(self.stem(x)))))
+
+
+async def test_buckets_are_rebuilt_once_from_the_observed_gradient_order() -> None:
+    torch.manual_seed(0)
+    model = RegisteredBackwards()
+    batches = make_batches(4, 16)
+    expected_model, expected_losses = train_reference(model, batches)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.001, bucket_cap_mb=0.02)
+    result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+
+    assert result.stats.rebuilt_buckets
+    # Backward reaches the head first, so after the rebuild the head is in bucket 0 and the stem last.
+    assert result.stats.bucket_params[0][0].startswith("head.")
+    assert result.stats.bucket_params[-1][-1].startswith("stem.")
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
+async def test_plan_is_kept_when_backward_already_follows_it() -> None:
+    result = await gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02).fit(
+        Deep(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss
+    )
+    assert not result.stats.rebuilt_buckets
