@@ -42,6 +42,7 @@ from .errors import (
 )
 from .mailbox import Mailbox
 from .messages import BucketReady, Close, DeviceMessage, ServerMessage, StepSynced
+from .streams import HostStreamSync, StreamSync
 from .trace import Trace
 
 __all__ = ("Shard", "DeviceActor", "ActorContext", "FitAborted", "SiteHook")
@@ -104,6 +105,8 @@ class ActorContext:
     site_hooks: Sequence[SiteHook] = field(default_factory=tuple)
     first_bucket_bytes: int = 1 << 20
     bucket_cap_bytes: int = 25 << 20
+    streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
+    """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
 
 
 class DeviceActor:
@@ -155,6 +158,7 @@ class DeviceActor:
                     "during backward; gsync keeps gradients in its bucket buffers, so modify grads in place"
                 )
             if bucket is not None:
+                context.streams.mark_ready(self.index, bucket)
                 context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
 
         return on_grad_ready
@@ -227,9 +231,16 @@ class DeviceActor:
 
     def _post_unfinished(self, skip: bool = False) -> None:
         for bucket, unused in self.readiness.unfinished():
+            self._context.streams.mark_ready(self.index, bucket)
             self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
 
+    def _skip(self) -> None:
+        # The step is left out, but the next step zeroes the buckets, which
+        # must still wait for this step's reductions.
+        self._context.streams.before_apply(self.index)
+
     def _apply(self, step: int, unused: tuple[int, ...]) -> float | None:
+        self._context.streams.before_apply(self.index)
         with self._enter("optimizer"):
             # A parameter no device used must look untouched to the optimizer
             # (grad None), exactly as in one-process training.
@@ -274,8 +285,12 @@ class DeviceActor:
             self._context.abort.set()
             raise failure from error
 
+    def _on_compute_stream(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._context.streams.compute_stream(self.index):
+            return self._guarded(fn, *args)
+
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await self.worker.run(lambda: self._guarded(fn, *args))
+        return await self.worker.run(lambda: self._on_compute_stream(fn, *args))
 
     async def run(self, shards: ObjectReceiveStream[Shard]) -> None:
         """Train on every shard received, until the feeder closes ``shards`` and ``Close`` arrives.
@@ -302,6 +317,7 @@ class DeviceActor:
         match message:
             case StepSynced(step=synced, unused=unused, skip=skip) if synced == step:
                 if skip:
+                    await self._in_thread(self._skip)
                     return True
                 with anyio.move_on_after(self._context.sync_timeout) as deadline:
                     fingerprint = await self._in_thread(self._apply, step, unused)

@@ -83,4 +83,9 @@ def parse_devices(devices: Sequence[str | torch.device] | None) -> list[DeviceSp
                 "each device may hold only one replica: list distinct devices such as 'cpu:0', 'cpu:1'"
             )
         seen[spec.name] = position
+    if len({spec.type for spec in specs}) > 1:
+        raise ConfigError(
+            f"devices mix CPU and CUDA ({[spec.name for spec in specs]}); gsync trains on one kind of device per "
+            "process: list only 'cuda:N' devices, or only 'cpu:N' ones"
+        )
     return specs

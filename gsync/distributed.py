@@ -92,7 +92,9 @@ class DistributedSession:
 
     ``rank`` and ``world_size`` are group ranks (a subgroup works too).
     ``created`` says whether :func:`join` initialised the group (and the
-    TCPStore it runs on); only then does :meth:`close` destroy it. ``device``
+    TCPStore it runs on); only then does :meth:`close` destroy it. ``store``
+    is the group's view of its store, where gsync keeps failure reports.
+    ``backend`` is the group's torch.distributed backend. ``device``
     is where gsync's own small collectives (run id, topology, checks) put
     their tensors: the CPU for gloo, a CUDA device for NCCL. ``run_id`` is
     unique per store, so keys under :attr:`namespace` belong to this session
@@ -107,7 +109,7 @@ class DistributedSession:
     backend: str
     device: torch.device
     run_id: int
-    _closed: bool = field(default=False, repr=False)
+    _closed: bool = field(default=False, init=False, repr=False)
 
     @property
     def namespace(self) -> str:
@@ -223,9 +225,11 @@ def join(
                 f"process_group must be a torch.distributed.ProcessGroup this process belongs to, got {process_group!r}"
             )
         group = process_group
+        _check_backend(group, device_type)
         group_store = store if store is not None else _default_store_for(group)
     elif dist.is_initialized():
         group = dist.distributed_c10d._get_default_group()
+        _check_backend(group, device_type)
         group_store = store if store is not None else dist.distributed_c10d._get_default_store()
     else:
         world_size = _env_int("WORLD_SIZE")
@@ -239,6 +243,9 @@ def join(
             init_kwargs["device_id"] = comm_device
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
         group = dist.distributed_c10d._get_default_group()
+        # The group's own view of the store (torch prefixes it with the group
+        # name), so a later session adopting this group counts runs alike.
+        group_store = dist.distributed_c10d._get_default_store()
         created = True
     try:
         run_id = _agree_run_id(group, group_store, comm_device)
@@ -252,7 +259,7 @@ def join(
         rank=group.rank(),
         world_size=group.size(),
         created=created,
-        backend=backend,
+        backend=backend if created else _backend_of(group),
         device=comm_device,
         run_id=run_id,
     )
@@ -270,8 +277,27 @@ def _fresh_prefix(store: dist.Store, world_size: int) -> dist.Store:
     bump of the next, so ``(value - 1) // N`` is the same on every rank and
     new for each join.
     """
-    generation = (store.add("gsync/joins", 1) - 1) // world_size
-    return dist.PrefixStore(f"gsync/join{generation}", store)
+    # torchrun sets TORCHELASTIC_RESTART_COUNT; a restarted worker group
+    # counts afresh, whatever a failed attempt left in the agent's store.
+    scope = f"gsync/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    generation = (store.add(f"{scope}/joins", 1) - 1) // world_size
+    return dist.PrefixStore(f"{scope}/join{generation}", store)
+
+
+def _backend_of(group: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group torch.distributed did not register
+        return "unknown"
+
+
+def _check_backend(group: dist.ProcessGroup, device_type: str) -> None:
+    backend = _backend_of(group)
+    if device_type == "cpu" and "nccl" in backend and "gloo" not in backend:
+        raise ConfigError(
+            f"the process group uses {backend}, which cannot reduce CPU tensors: pass a gloo group "
+            "(torch.distributed.new_group(backend='gloo')) or train on CUDA devices"
+        )
 
 
 def _comm_device(device_type: str, device: torch.device | str | None) -> torch.device:
@@ -389,6 +415,8 @@ def _verify_same(session: DistributedSession, signature: _Signature, noun: str) 
         for rank in range(1, session.world_size)
         if (text := _describe_difference(signatures[0], signatures[rank], rank, noun)) is not None
     ]
+    if not differences:  # the digests differed but the lists match: nothing to report
+        return
     rank, text = differences[0]
     also = f" (ranks {', '.join(str(r) for r, _ in differences)} all differ from rank 0)" if len(differences) > 1 else ""
     raise ConfigError(
@@ -649,8 +677,14 @@ class FailureBoard:
 
         The callback runs in the watcher thread, for the first report from
         another rank (never for this rank's own); hand it to the event loop
-        from there. The thread ends after the callback, on :meth:`stop`, or
-        when the store goes away (see :attr:`watch_error`).
+        from there, and tolerate a call that races with :meth:`stop`. The
+        thread ends after the callback, on :meth:`stop`, or when the store
+        goes away (see :attr:`watch_error`).
+
+        The watcher blocks in ``store.wait`` on its own store connection and
+        is woken through the store (by a report, or by :meth:`stop`) rather
+        than polling: TCPStore logs two C++ warnings for every wait that
+        times out, so waking every 0.2 s would flood stderr.
 
         :raises ~gsync.GsyncError: if this board is already watching or was stopped.
         """
@@ -691,7 +725,10 @@ class FailureBoard:
 
         Wakes the watcher through the store (one write, which blocks only as
         long as the store takes to answer), so it ends at once rather than at
-        its next timeout.
+        its next timeout. If the store server is gone, the watcher's wait has
+        already failed and it has ended; only a server that is alive but
+        unresponsive leaves the daemon thread waiting, and then this returns
+        ``False`` after ``timeout_s``.
         """
         self._stopping.set()
         thread = self._thread

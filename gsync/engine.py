@@ -24,13 +24,16 @@ from .actor import ActorContext, DeviceActor, LossFn, ReplicaFingerprints, Shard
 from .buckets import BucketPlan
 from .buffers import BufferSync
 from .checkpoint import Checkpoint
+from .comm.base import Collective
 from .comm.local import LocalCollective
+from .comm.nccl import NcclCollective
 from .devices import DeviceSpec, parse_devices
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
 from .feeder import Feeder
 from .mailbox import Mailbox
 from .messages import ServerMessage
 from .server import SyncServer
+from .streams import CudaStreamSync, StreamSync, make_stream_sync
 from .topology import Topology
 from .trace import Trace
 
@@ -285,7 +288,8 @@ class _FitRun:
         )
         optimizers = self._optimizers(replicas)
         topology = Topology(local_devices=len(replicas))
-        collective = LocalCollective(len(replicas))
+        streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
+        collective = _local_collective(engine.devices, streams)
         trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
         device_names = [spec.name for spec in engine.devices]
         buffers = BufferSync(replicas)
@@ -304,13 +308,15 @@ class _FitRun:
             site_hooks=tuple(engine._site_hooks),
             first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
             bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
+            streams=streams,
         )
-        streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
+        streams_of_shards = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
         # Worker threads start with their first job, so nothing below needs cleanup until the group runs.
-        actors = [
-            DeviceActor(index=index, spec=spec, replica=replica, optimizer=optimizer, context=context)
-            for index, (spec, replica, optimizer) in enumerate(zip(engine.devices, replicas, optimizers))
-        ]
+        actors = []
+        for index, (spec, replica, optimizer) in enumerate(zip(engine.devices, replicas, optimizers)):
+            # Bucket buffers are allocated on the compute stream that uses them.
+            with streams.compute_stream(index):
+                actors.append(DeviceActor(index=index, spec=spec, replica=replica, optimizer=optimizer, context=context))
         server = SyncServer(
             mailbox=server_mailbox,
             context=context,
@@ -331,7 +337,7 @@ class _FitRun:
             data=self.data,
             epochs=self.epochs,
             server=server_mailbox,
-            shard_streams=[send for send, _ in streams],
+            shard_streams=[send for send, _ in streams_of_shards],
             loop=loop,
             topology=topology,
             first_step=self.first_step,
@@ -342,18 +348,18 @@ class _FitRun:
             try:
                 async with anyio.create_task_group() as group:
                     group.start_soon(server.run)
-                    for actor, (_, receive) in zip(actors, streams):
+                    for actor, (_, receive) in zip(actors, streams_of_shards):
                         group.start_soon(actor.run, receive)
                     group.start_soon(feeder.run)
             except BaseExceptionGroup as errors:
                 failure_group = errors
         finally:
             abort.set()
-            for send, receive in streams:
+            for send, receive in streams_of_shards:
                 send.close()
                 receive.close()
             server_mailbox.discard()
-            await _teardown(actors, server, feeder)
+            await _teardown(actors, server, feeder, streams)
             collective.close()
         if failure_group is not None:
             # Devices that failed while the group was already ending (up to the
@@ -415,6 +421,13 @@ class _FitRun:
         return Checkpoint.capture(best.applied_step, best.replica, best.optimizer, buffers.snapshot(best.applied_step))
 
 
+def _local_collective(devices: Sequence[DeviceSpec], streams: StreamSync) -> Collective:
+    """In-process arithmetic for CPU devices; NCCL on the comm streams for CUDA devices."""
+    if isinstance(streams, CudaStreamSync):
+        return NcclCollective([spec.torch_device for spec in devices], streams)
+    return LocalCollective(len(devices))
+
+
 def _rebuild_from_observed_order(context: ActorContext, observed: Sequence[int]) -> None:
     """Rebuild the bucket plan once, from the order gradients became ready in the first step (as DDP does).
 
@@ -433,13 +446,18 @@ def _rebuild_from_observed_order(context: ActorContext, observed: Sequence[int])
     )
     if [b.params for b in rebuilt.buckets] != [b.params for b in plan.buckets]:
         context.plan = rebuilt
+        context.streams.rebuild(len(rebuilt.buckets))
 
 
-async def _teardown(actors: list[DeviceActor], server: SyncServer, feeder: Feeder) -> None:
+async def _teardown(actors: list[DeviceActor], server: SyncServer, feeder: Feeder, streams: StreamSync) -> None:
     workers = [actor.worker for actor in actors]
     for actor in actors:
         actor.close()
         actor.mailbox.discard()
+    # The last job of the communication thread waits for every stream's queued
+    # work (a host sync, so never on the event loop), before replica state is
+    # read and bucket buffers are freed.
+    server.comm.submit(lambda: streams.close(timeout=_THREAD_GRACE_S * 10), lambda outcome: None)
     server.close()
     workers.append(server.comm)
     if feeder.worker is not None:

@@ -139,7 +139,7 @@ class SyncServer:
                         self._expect_step(step, at, message)
                         reduced += 1
                         if reduced == num_buckets and not buffers_done:
-                            self._submit(step, _BUFFERS, partial(self._buffers.broadcast, self._collective, step))
+                            self._submit(step, _BUFFERS, partial(self._broadcast_buffers, step))
                     case BuffersSynced(step=at):
                         self._expect_step(step, at, message)
                         buffers_done = True
@@ -176,12 +176,22 @@ class SyncServer:
             raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
-        self._submit(step, bucket, partial(self._reduce, step, self._flats(bucket), weights))
+        self._submit(step, bucket, partial(self._reduce, step, bucket, self._flats(bucket), weights))
 
-    def _reduce(self, step: int, flats: list[torch.Tensor], weights: list[float]) -> None:
+    def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         for hook in self._site_hooks:
             hook(-1, step, "all_reduce", self._abort)
-        self._collective.all_reduce(flats, weights)
+        streams = self._context.streams
+        streams.before_reduce(bucket)
+        with streams.comm_streams():
+            self._collective.all_reduce(flats, weights)
+        streams.after_reduce(bucket)
+
+    def _broadcast_buffers(self, step: int) -> None:
+        streams = self._context.streams
+        with streams.comm_streams():
+            self._buffers.broadcast(self._collective, step)
+        streams.after_broadcast()
 
     def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
         if self._trace is not None:

@@ -28,6 +28,12 @@ def test_bad_device_lists_are_refused(devices: object, message: str) -> None:
         gsync.Engine(devices)  # type: ignore[arg-type]
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixing needs a CUDA device to be valid on its own")
+def test_cpu_and_cuda_cannot_be_mixed() -> None:
+    with pytest.raises(gsync.ConfigError, match="mix CPU and CUDA"):
+        gsync.Engine(["cpu:0", "cuda:0"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
 def test_cuda_without_cuda_is_refused() -> None:
     with pytest.raises(gsync.ConfigError, match="torch.cuda.is_available"):

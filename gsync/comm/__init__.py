@@ -2,5 +2,6 @@
 
 from .base import Collective as Collective
 from .local import LocalCollective as LocalCollective
+from .nccl import NcclCollective as NcclCollective
 
-__all__ = ("Collective", "LocalCollective")
+__all__ = ("Collective", "LocalCollective", "NcclCollective")
