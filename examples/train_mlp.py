@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 
 import torch
@@ -47,11 +48,14 @@ async def main() -> None:
     loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
 
+    under_torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     devices = args.devices
-    if devices is None and not torch.cuda.is_available():
+    if devices is None and not torch.cuda.is_available() and not under_torchrun:
         devices = ["cpu:0", "cpu:1"]
-    engine = gsync.Engine(devices)
-    print(f"training on {[d.name for d in engine.devices]}, {sum(p.numel() for p in model.parameters()):,} parameters")
+    engine = gsync.Engine(devices)  # under torchrun: this process's device, synchronized with the others
+    main_process = int(os.environ.get("RANK", "0")) == 0
+    say = print if main_process else (lambda *_: None)
+    say(f"training on {[d.name for d in engine.devices]} per process, {sum(p.numel() for p in model.parameters()):,} parameters")
 
     started = time.perf_counter()
     result = await engine.fit(
@@ -65,12 +69,12 @@ async def main() -> None:
     steps_per_epoch = len(loader)
     for epoch in range(args.epochs):
         losses = result.losses[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch]
-        print(f"epoch {epoch}: mean loss {sum(losses) / len(losses):.4f} (first {losses[0]:.4f}, last {losses[-1]:.4f})")
+        say(f"epoch {epoch}: mean loss {sum(losses) / len(losses):.4f} (first {losses[0]:.4f}, last {losses[-1]:.4f})")
 
     with torch.no_grad():
         x, y = dataset.tensors
         accuracy = (result.model(x).argmax(dim=1) == y).float().mean().item()
-    print(f"{len(result.losses)} steps in {elapsed:.2f} s; training accuracy {accuracy:.1%}")
+    say(f"{len(result.losses)} steps in {elapsed:.2f} s; training accuracy {accuracy:.1%}")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from .errors import GsyncError as GsyncError
 from .errors import InputTypeError as InputTypeError
 from .errors import MailboxClosed as MailboxClosed
 from .errors import NonFiniteLoss as NonFiniteLoss
+from .errors import PeerFailed as PeerFailed
 from .errors import ReplicasDiverged as ReplicasDiverged
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
@@ -34,6 +35,7 @@ __all__ = (
     "LocalCollective",
     "MailboxClosed",
     "NonFiniteLoss",
+    "PeerFailed",
     "ReplicasDiverged",
     "SyncFailed",
     "SyncTimeout",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
@@ -17,9 +18,10 @@ from typing import Any, Literal
 
 import anyio
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._threads import LoopHandle
+from ._threads import LoopHandle, WorkerThread
 from .actor import ActorContext, DeviceActor, LossFn, ReplicaFingerprints, Shard, SiteHook
 from .buckets import BucketPlan
 from .buffers import BufferSync
@@ -27,8 +29,11 @@ from .checkpoint import Checkpoint
 from .comm.base import Collective
 from .comm.local import LocalCollective
 from .comm.nccl import NcclCollective
+from .comm.process_group import ProcessGroupCollective
 from .devices import DeviceSpec, parse_devices
-from .errors import ConfigError, FitError, GsyncError, InputTypeError
+from .errors import ConfigError, FitError, GsyncError, InputTypeError, SyncFailed, SyncTimeout
+from .distributed import FailureReport, peer_failed, should_use_distributed
+from .distributed.runtime import ProcessGroupRuntime
 from .feeder import Feeder
 from .mailbox import Mailbox
 from .messages import ServerMessage
@@ -45,6 +50,8 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 # before leaving them (they are daemons and stop at their next phase boundary
 # or gradient hook).
 _THREAD_GRACE_S = 0.5
+# Upper bound on reporting a failure to other ranks and closing a process group.
+_DIST_TEARDOWN_S = 10.0
 
 
 @dataclass
@@ -104,6 +111,15 @@ class Engine:
     :param trace: record a timeline of every phase and reduction in
         ``FitResult.trace`` (see :class:`gsync.Trace`); ``True`` for a fresh
         trace per fit, or a ``Trace`` instance to record into.
+    :param process_group: a ``torch.distributed`` group to synchronize over,
+        across processes. Without one, gsync spans processes when
+        ``WORLD_SIZE`` > 1 (as under ``torchrun``), joining the default group
+        or initialising it from the environment (gloo for CPU devices, NCCL
+        for CUDA). Each process lists only its own devices; under torchrun the
+        default is ``cuda:LOCAL_RANK``, or ``["cpu"]`` without CUDA. gsync
+        destroys only a group it created.
+    :param store: the ``torch.distributed`` store for failure reports between
+        processes, when ``process_group`` is not the default group's.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -117,6 +133,8 @@ class Engine:
         on_nonfinite: Literal["raise", "skip"] = "raise",
         check_replicas_every: int | None = None,
         trace: bool | Trace = False,
+        process_group: dist.ProcessGroup | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
@@ -129,6 +147,11 @@ class Engine:
         ):
             raise ConfigError(f"check_replicas_every must be a positive int or None, got {check_replicas_every!r}")
         self.check_replicas_every = check_replicas_every
+        self.process_group = process_group
+        self.store = store
+        self.distributed = should_use_distributed(process_group)
+        if devices is None and self.distributed:
+            devices = _default_devices_of_this_process()
         self.devices: list[DeviceSpec] = parse_devices(devices)
         self.trace = trace
         self._site_hooks: list[SiteHook] = []
@@ -146,6 +169,7 @@ class Engine:
         loss_fn: LossFn,
         epochs: int = 1,
         resume: Checkpoint | None = None,
+        process_local_data: bool = False,
     ) -> FitResult:
         """Train ``model`` on ``data`` with one replica per device and return it trained.
 
@@ -174,16 +198,31 @@ class Engine:
         :raises ~gsync.SyncFailed: when a reduction raises.
         :raises ~gsync.SyncTimeout: when a step stalls for ``sync_timeout`` seconds.
         :raises ~gsync.NonFiniteLoss: when a loss is not finite (``on_nonfinite="raise"``).
+        Across processes, every process by default iterates the same global
+        batches and keeps its own devices' shards (rank-major), so results do
+        not depend on how devices are spread over processes. With
+        ``process_local_data=True`` each process's ``data`` yields its own
+        batches instead (e.g. a ``DataLoader`` with a ``DistributedSampler``
+        and ``drop_last=True``), split over its own devices; every process's
+        batches must then have the same size at each step (checked).
+
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
+        :raises ~gsync.PeerFailed: when another process's fit failed.
         """
         _check_fit_args(model, data, optimizer, loss_fn, epochs, resume)
         if self._running:
             raise ConfigError("this engine is already running a fit; await it before starting another")
         self._running = True
         try:
-            return await _FitRun(self, model, data, optimizer, loss_fn, epochs, resume).execute()
+            return await _FitRun(self, model, data, optimizer, loss_fn, epochs, resume, process_local_data).execute()
         finally:
             self._running = False
+
+
+def _default_devices_of_this_process() -> list[str]:
+    if torch.cuda.is_available():
+        return [f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"]
+    return ["cpu"]
 
 
 def _check_fit_args(
@@ -247,8 +286,10 @@ class _FitRun:
         loss_fn: LossFn,
         epochs: int,
         resume: Checkpoint | None,
+        process_local_data: bool,
     ) -> None:
         self.engine = engine
+        self.process_local_data = bool(process_local_data)
         self.model = model
         self.data = data
         self.optimizer_factory = optimizer
@@ -279,17 +320,53 @@ class _FitRun:
     async def execute(self) -> FitResult:
         engine = self.engine
         loop = LoopHandle()
+        if not engine.distributed:
+            return await self._train(loop, None, None)
+        # Joining, checks, reports and teardown of a process group all block:
+        # they run in a thread of their own, never on the event loop.
+        setup = WorkerThread("gsync-dist", loop)
+        runtime: ProcessGroupRuntime | None = None
+        try:
+            runtime = await setup.run(
+                lambda: ProcessGroupRuntime.start(
+                    engine.process_group,
+                    engine.store,
+                    engine.devices[0].type,
+                    engine.devices[0].torch_device,
+                    len(engine.devices),
+                    engine.sync_timeout,
+                    self.process_local_data,
+                )
+            )
+            return await self._train(loop, runtime, setup)
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
+                if runtime is not None:
+                    await setup.run(runtime.close)
+            setup.stop()
+            await setup.join(_THREAD_GRACE_S)
+
+    async def _train(
+        self, loop: LoopHandle, runtime: ProcessGroupRuntime | None, setup: WorkerThread | None
+    ) -> FitResult:
+        engine = self.engine
         abort = threading.Event()
         replicas = self._replicate()
+        if runtime is not None and setup is not None:
+            await setup.run(lambda: runtime.prepare(replicas))
         plan = BucketPlan.build(
             [(name, p) for name, p in replicas[0].named_parameters() if p.requires_grad],
             first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
             bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         )
         optimizers = self._optimizers(replicas)
-        topology = Topology(local_devices=len(replicas))
+        topology = runtime.topology if runtime is not None else Topology(local_devices=len(replicas))
         streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
-        collective = _local_collective(engine.devices, streams)
+        collective: Collective = (
+            ProcessGroupCollective(runtime.session.group, topology)
+            if runtime is not None
+            else _local_collective(engine.devices, streams)
+        )
         trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
         device_names = [spec.name for spec in engine.devices]
         buffers = BufferSync(replicas)
@@ -317,6 +394,20 @@ class _FitRun:
             # Bucket buffers are allocated on the compute stream that uses them.
             with streams.compute_stream(index):
                 actors.append(DeviceActor(index=index, spec=spec, replica=replica, optimizer=optimizer, context=context))
+
+        def first_order() -> list[int]:
+            order = _complete_order(context.plan, actors[0].readiness.order)
+            return runtime.agree_order(order) if runtime is not None else order
+
+        finish = None
+        if runtime is not None:
+            group_runtime = runtime
+
+            def finish(step: int, unused: tuple[int, ...], skip: bool, rows: int | None) -> tuple[tuple[int, ...], bool]:
+                local_rows = rows if self.process_local_data else None
+                agreed = group_runtime.agree_step(step, len(plan.names), unused, skip, local_rows)
+                return agreed.unused, agreed.skip
+
         server = SyncServer(
             mailbox=server_mailbox,
             context=context,
@@ -331,7 +422,9 @@ class _FitRun:
             site_hooks=context.site_hooks,
             abort=abort,
             last_seen=lambda device: f"step {actors[device].step}, {actors[device].site}",
-            after_first_step=lambda: _rebuild_from_observed_order(context, actors[0].readiness.order),
+            after_first_step=lambda order: _rebuild(context, order),
+            first_order=first_order,
+            finish=finish,
         )
         feeder = Feeder(
             data=self.data,
@@ -341,18 +434,26 @@ class _FitRun:
             loop=loop,
             topology=topology,
             first_step=self.first_step,
+            process_local=self.process_local_data,
         )
         failure: BaseException | None = None
         failure_group: BaseExceptionGroup[Any] | None = None
         try:
             try:
                 async with anyio.create_task_group() as group:
-                    group.start_soon(server.run)
-                    for actor, (_, receive) in zip(actors, streams_of_shards):
-                        group.start_soon(actor.run, receive)
-                    group.start_soon(feeder.run)
+                    if runtime is not None:
+                        group.start_soon(_raise_on_peer_failure, runtime, loop)
+                    async with anyio.create_task_group() as work:
+                        work.start_soon(server.run)
+                        for actor, (_, receive) in zip(actors, streams_of_shards):
+                            work.start_soon(actor.run, receive)
+                        work.start_soon(feeder.run)
+                    group.cancel_scope.cancel()
             except BaseExceptionGroup as errors:
                 failure_group = errors
+                if runtime is not None and setup is not None:
+                    # Tell the other ranks before this rank tears anything down.
+                    await _report(runtime, setup, _first_failure(errors))
         finally:
             abort.set()
             for send, receive in streams_of_shards:
@@ -367,6 +468,8 @@ class _FitRun:
             # raise; their failures were kept on the actor.
             late = [a.failure for a in actors if isinstance(a.failure, FitError)]
             failure = _first_failure(failure_group, late)
+            if runtime is not None and setup is not None and isinstance(failure, (SyncFailed, SyncTimeout)):
+                failure = await _blame_peer(runtime, setup, failure)
 
         if failure is None:
             failure = feeder.deferred_error
@@ -379,6 +482,8 @@ class _FitRun:
             self.model.load_state_dict(replicas[0].state_dict())
         last_step = self.first_step + server.steps_synced - 1
         losses = [sum(actor.losses.get(step, 0.0) for actor in actors) for step in range(self.first_step, last_step + 1)]
+        if runtime is not None and setup is not None:
+            losses = await setup.run(lambda: runtime.global_losses(losses))
         return FitResult(
             model=self.model,
             losses=losses,
@@ -428,16 +533,46 @@ def _local_collective(devices: Sequence[DeviceSpec], streams: StreamSync) -> Col
     return LocalCollective(len(devices))
 
 
-def _rebuild_from_observed_order(context: ActorContext, observed: Sequence[int]) -> None:
+async def _raise_on_peer_failure(runtime: ProcessGroupRuntime, loop: LoopHandle) -> None:
+    """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`."""
+    arrived = anyio.Event()
+    reports: list[FailureReport] = []
+
+    def deliver(report: FailureReport) -> None:
+        reports.append(report)
+        arrived.set()
+
+    runtime.watch(lambda report: loop.call_soon(deliver, report))
+    await arrived.wait()
+    raise peer_failed(reports[0])
+
+
+async def _report(runtime: ProcessGroupRuntime, setup: WorkerThread, failure: BaseException) -> None:
+    if isinstance(failure, GsyncError):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
+            await setup.run(lambda: runtime.report(failure))
+
+
+async def _blame_peer(runtime: ProcessGroupRuntime, setup: WorkerThread, failure: GsyncError) -> GsyncError:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
+        return await setup.run(lambda: runtime.blame_peer(failure))
+    return failure
+
+
+def _complete_order(plan: BucketPlan, observed: Sequence[int]) -> list[int]:
+    """The observed gradient order, then the parameters that got none, in reverse registration order."""
+    seen = set(observed)
+    return list(observed) + [p for p in reversed(range(len(plan.names))) if p not in seen]
+
+
+def _rebuild(context: ActorContext, order: list[int]) -> None:
     """Rebuild the bucket plan once, from the order gradients became ready in the first step (as DDP does).
 
-    Parameters that got no gradient go last, in reverse registration order.
-    The plan changes only if the assignment differs, so models whose backward
-    follows reverse registration order keep their buffers.
+    ``order`` is complete (see :func:`_complete_order`) and, across
+    processes, rank 0's. The plan changes only if the assignment differs, so
+    models whose backward follows reverse registration order keep their buffers.
     """
     plan = context.plan
-    seen = set(observed)
-    order = list(observed) + [p for p in reversed(range(len(plan.names))) if p not in seen]
     rebuilt = BucketPlan.build(
         [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in zip(plan.names, plan.shapes, plan.dtypes)],
         first_bucket_bytes=context.first_bucket_bytes,

@@ -21,6 +21,7 @@ __all__ = (
     "SyncTimeout",
     "NonFiniteLoss",
     "ReplicasDiverged",
+    "PeerFailed",
 )
 
 
@@ -86,13 +87,15 @@ class WorkerFailed(FitError):
 
 
 class SyncFailed(FitError):
-    """The collective that reduces a bucket (or broadcasts buffers) raised; the cause is ``__cause__``.
+    """The collective that reduces a bucket (or closes a step) raised; the cause is ``__cause__``.
 
-    ``bucket`` is ``None`` when the buffer broadcast failed rather than a bucket reduction.
+    ``bucket`` is ``None`` when the step's closing collectives failed (the
+    buffer broadcast, or the agreement across processes) rather than a bucket
+    reduction.
     """
 
     def __init__(self, step: int, bucket: int | None, detail: str = "") -> None:
-        what = "buffer broadcast" if bucket is None else f"all-reduce of bucket {bucket}"
+        what = "closing collectives (buffer broadcast, cross-process agreement)" if bucket is None else f"all-reduce of bucket {bucket}"
         super().__init__(f"{what} failed at step {step}" + (f": {detail}" if detail else ""))
         self.step = step
         self.bucket = bucket
@@ -163,3 +166,37 @@ class ReplicasDiverged(FitError):
         )
         self.step = step
         self.fingerprints = dict(fingerprints)
+
+
+class PeerFailed(FitError):
+    """Another rank's fit failed; this rank stopped instead of waiting on it.
+
+    ``rank``, ``device``, ``step`` and ``site`` say where it failed;
+    ``error_type`` and ``remote_message`` are its original exception's type
+    name and message (the exception itself lives in the other process).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        device: str,
+        step: int,
+        site: str,
+        error_type: str,
+        remote_message: str,
+        device_index: int = -1,
+    ) -> None:
+        if device:
+            where = f"worker on device {device} failed at step {step} during {site}"
+        elif step >= 0:
+            where = f"{site} failed at step {step}"
+        else:
+            where = f"{site} failed"
+        super().__init__(f"rank {rank} failed: {where}: {error_type}: {remote_message}")
+        self.rank = rank
+        self.device = device
+        self.device_index = device_index
+        self.step = step
+        self.site = site
+        self.error_type = error_type
+        self.remote_message = remote_message

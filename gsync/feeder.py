@@ -55,6 +55,7 @@ class Feeder:
         loop: LoopHandle,
         topology: Topology,
         first_step: int = 0,
+        process_local: bool = False,
     ) -> None:
         self._data = data
         self._epochs = epochs
@@ -63,6 +64,7 @@ class Feeder:
         self._loop = loop
         self._first_step = first_step
         self._topology = topology
+        self._process_local = process_local
         self.worker: WorkerThread | None = None
         self.steps_dispatched = 0
         self.deferred_error: GsyncError | None = None
@@ -115,13 +117,20 @@ class Feeder:
 
     async def _dispatch(self, step: int, batch: Any) -> None:
         rows = batch_rows(batch, step)
-        local = self._topology.local_slice
-        counts = shard_rows(rows, self._topology.world_devices)[local]
-        shards = split_batch(batch, self._topology.world_devices)[local]
-        self._server.post(StepDispatched(step, tuple(counts), rows))
+        topology = self._topology
+        if self._process_local:
+            # This process's own batch; every process's is as large (checked each step).
+            counts = shard_rows(rows, topology.local_devices)
+            shards = split_batch(batch, topology.local_devices)
+            total_rows = rows * topology.world_size
+        else:
+            counts = shard_rows(rows, topology.world_devices)[topology.local_slice]
+            shards = split_batch(batch, topology.world_devices)[topology.local_slice]
+            total_rows = rows
+        self._server.post(StepDispatched(step, tuple(counts), total_rows))
         self.steps_dispatched += 1
         for stream, shard, count in zip(self._streams, shards, counts):
-            await stream.send(Shard(step, count, rows, shard))
+            await stream.send(Shard(step, count, total_rows, shard))
 
     async def _batches(self, step: int) -> Any:
         """Yield the batches of one epoch; a failure of the user's iterable becomes :class:`DataFailed`."""

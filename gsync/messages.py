@@ -14,7 +14,7 @@ __all__ = (
     "StepDispatched",
     "BucketReady",
     "BucketReduced",
-    "BuffersSynced",
+    "StepFinished",
     "CommFailed",
     "StepSynced",
     "Close",
@@ -61,14 +61,14 @@ class BucketReduced(_Message):
     bucket: int
 
 
-class BuffersSynced(_Message):
-    """Module buffers were broadcast from the first device for ``step``."""
+class StepFinished(_Message):
+    """The communication thread finished ``step``'s closing job: buffers broadcast, ranks agreed."""
 
     step: int
 
 
 class CommFailed(_Message):
-    """A collective raised; the server holds the exception. ``bucket`` is -1 for the buffer broadcast."""
+    """A collective raised; the server holds the exception. ``bucket`` is -1 for the step's closing job."""
 
     step: int
     bucket: int
@@ -94,5 +94,5 @@ class Close(_Message):
     reason: str = ""
 
 
-ServerMessage = StepDispatched | BucketReady | BucketReduced | BuffersSynced | CommFailed | Close
+ServerMessage = StepDispatched | BucketReady | BucketReduced | StepFinished | CommFailed | Close
 DeviceMessage = StepSynced | Close

@@ -27,13 +27,13 @@ from ._threads import LoopHandle, Outcome, WorkerThread
 from .actor import ActorContext, SiteHook
 from .buffers import BufferSync
 from .comm.base import Collective
-from .errors import SyncFailed, SyncTimeout
+from .errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
 from .trace import Trace
 from .messages import (
     BucketReady,
     BucketReduced,
-    BuffersSynced,
+    StepFinished,
     Close,
     CommFailed,
     DeviceMessage,
@@ -44,7 +44,7 @@ from .messages import (
 
 __all__ = ("SyncServer",)
 
-_BUFFERS = -1
+_FINISH = -1
 
 
 class SyncServer:
@@ -64,7 +64,9 @@ class SyncServer:
         site_hooks: Sequence[SiteHook] = (),
         abort: threading.Event | None = None,
         last_seen: Callable[[int], str] | None = None,
-        after_first_step: Callable[[], None] | None = None,
+        after_first_step: Callable[[list[int]], None] | None = None,
+        first_order: Callable[[], list[int]] | None = None,
+        finish: Callable[[int, tuple[int, ...], bool, int | None], tuple[tuple[int, ...], bool]] | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.comm = WorkerThread("gsync-comm", loop)
@@ -85,6 +87,10 @@ class SyncServer:
         self._abort = abort or threading.Event()
         self._last_seen = last_seen
         self._after_first_step = after_first_step
+        self._first_order_of = first_order
+        self._first_order: list[int] = []
+        self._finish = finish
+        self._agreed: tuple[tuple[int, ...], bool] = ((), False)
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
 
     async def run(self) -> None:
@@ -118,11 +124,11 @@ class SyncServer:
         unused: list[set[int] | None] = [None] * num_buckets
         next_launch = 0
         reduced = 0
-        buffers_done = self._buffers.empty
+        finished = False
         skip = False
 
         with anyio.move_on_after(self._timeout) as deadline:
-            while reduced < num_buckets or not buffers_done:
+            while not finished:
                 message = await self.mailbox.receive()
                 match message:
                     case BucketReady(device=device, step=at, bucket=bucket, unused=missing, skip=device_skips):
@@ -138,14 +144,18 @@ class SyncServer:
                     case BucketReduced(step=at):
                         self._expect_step(step, at, message)
                         reduced += 1
-                        if reduced == num_buckets and not buffers_done:
-                            self._submit(step, _BUFFERS, partial(self._broadcast_buffers, step))
-                    case BuffersSynced(step=at):
+                        if reduced == num_buckets:
+                            no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
+                            local_rows = sum(dispatched.rows) if self._finish is not None else None
+                            finished = self._finish_step(step, no_gradient, skip, local_rows)
+                    case StepFinished(step=at):
                         self._expect_step(step, at, message)
-                        buffers_done = True
+                        finished = True
                     case CommFailed(step=at, bucket=bucket):
                         error = self._comm_errors.pop((at, bucket))
-                        raise SyncFailed(at, None if bucket == _BUFFERS else bucket) from error
+                        if isinstance(error, GsyncError):
+                            raise error
+                        raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
@@ -160,16 +170,39 @@ class SyncServer:
             last_seen = {self._device_names[d]: self._last_seen(d) for d in stalled} if self._last_seen else None
             raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, last_seen=last_seen)
 
-        no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
+        no_gradient, skip = self._agreed
         self.last_synced = step
         self.steps_synced += 1
         if self.steps_synced == 1 and self._after_first_step is not None:
             # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
-            self._after_first_step()
+            self._after_first_step(self._first_order)
         if skip:
             self.skipped_steps.append(step)
         for mailbox in self._devices:
             mailbox.post(StepSynced(step, no_gradient, skip))
+
+    def _finish_step(self, step: int, no_gradient: tuple[int, ...], skip: bool, local_rows: int | None) -> bool:
+        """After the last reduction: broadcast buffers, agree across ranks, observe the first step's order.
+
+        Runs as one job on the communication thread, after the step's
+        reductions, when there is anything to do; returns whether the step is
+        already finished (nothing needed the thread).
+        """
+        self._agreed = (no_gradient, skip)
+        first = self.steps_synced == 0 and self._first_order_of is not None
+        if self._buffers.empty and self._finish is None and not first:
+            return True
+
+        def finish() -> None:
+            if not self._buffers.empty:
+                self._broadcast_buffers(step)
+            if self._finish is not None:
+                self._agreed = self._finish(step, no_gradient, skip, local_rows)
+            if first and self._first_order_of is not None:
+                self._first_order = self._first_order_of()
+
+        self._submit(step, _FINISH, finish)
+        return False
 
     def _expect_step(self, step: int, at: int, message: ServerMessage) -> None:
         if at != step:
@@ -195,7 +228,7 @@ class SyncServer:
 
     def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
         if self._trace is not None:
-            name = "broadcast_buffers" if bucket == _BUFFERS else "all_reduce"
+            name = "finish_step" if bucket == _FINISH else "all_reduce"
             job = partial(self._traced, self._trace.span(name, step, bucket=max(bucket, -1)), job)
         self.comm.submit(job, partial(self._on_comm_done, step, bucket))
 
@@ -210,8 +243,8 @@ class SyncServer:
         if outcome.error is not None:
             self._comm_errors[(step, bucket)] = outcome.error
             self.mailbox.try_post(CommFailed(step, bucket))
-        elif bucket == _BUFFERS:
-            self.mailbox.try_post(BuffersSynced(step))
+        elif bucket == _FINISH:
+            self.mailbox.try_post(StepFinished(step))
         else:
             self.mailbox.try_post(BucketReduced(step, bucket))
 

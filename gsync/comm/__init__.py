@@ -3,5 +3,6 @@
 from .base import Collective as Collective
 from .local import LocalCollective as LocalCollective
 from .nccl import NcclCollective as NcclCollective
+from .process_group import ProcessGroupCollective as ProcessGroupCollective
 
-__all__ = ("Collective", "LocalCollective", "NcclCollective")
+__all__ = ("Collective", "LocalCollective", "NcclCollective", "ProcessGroupCollective")

@@ -10,10 +10,14 @@ The result is then copied back to every other local buffer.
 
 The same code serves gloo on CPU tensors and NCCL on CUDA tensors: the
 collective is launched with ``async_op=True`` and waited with
-``work.wait()``, which for NCCL makes the current stream wait on the
-communication stream instead of blocking the host. Nothing else here
-synchronizes with the device. Calls run in gsync's communication thread,
-never on the event loop, so a blocking ``wait()`` costs the loop nothing.
+``work.wait()``. With gloo that blocks the calling thread until the data is
+there. With NCCL it makes the caller's *current stream* wait for NCCL's
+stream and returns, so completion is stream-ordered exactly as for
+:class:`~gsync.comm.nccl.NcclCollective`: the sync server calls collectives
+inside ``streams.comm_streams()``, so the local reduction, the NCCL launch
+(which waits for the current stream) and the write-back are all queued on
+the devices' comm streams, and nothing here synchronizes the host with the
+GPU. Calls run in gsync's communication thread, never on the event loop.
 """
 
 from __future__ import annotations

@@ -1,0 +1,226 @@
+"""What the ranks agree on through the group: topology, parameters, initial state, bucket order.
+
+Each function is collective: every rank of the group must call it, in the
+same order, or it blocks until the group's timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator, Sequence
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..topology import Topology
+from .session import DistributedSession
+
+__all__ = ("agree_on_order", "broadcast_module_state", "gather_topology", "verify_same_parameters")
+
+# Module state is broadcast in byte buffers of at most this size, so a large
+# model is not duplicated in memory all at once.
+_STATE_CHUNK_BYTES = 128 * 2**20
+# Offsets inside a byte buffer are aligned so every dtype can be viewed in place.
+_ALIGN = 16
+
+
+def _all_gather(session: DistributedSession, tensor: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(session.world_size)]
+    dist.all_gather(gathered, tensor, group=session.group)
+    return gathered
+
+
+def _all_gather_bytes(session: DistributedSession, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload``, in rank order. Collective.
+
+    torch's ``all_gather_object`` needs numpy (not a gsync dependency) and
+    unpickles what peers send; this moves plain bytes in two gathers, sizes
+    first, on the session's device.
+    """
+    device = session.device
+    sizes = _all_gather(session, torch.tensor([len(payload)], dtype=torch.int64, device=device))
+    lengths = [int(size.item()) for size in sizes]
+    longest = max(lengths)
+    if longest == 0:
+        return [b""] * session.world_size
+    buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if payload:
+        buffer[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    return [bytes(chunk[:length].tolist()) for chunk, length in zip(_all_gather(session, buffer), lengths)]
+
+
+def gather_topology(session: DistributedSession, local_devices: int) -> Topology:
+    """Where this rank's devices sit among all devices, rank-major. Collective.
+
+    :raises ~gsync.ConfigError: when ``local_devices`` is not a positive int.
+    """
+    if isinstance(local_devices, bool) or not isinstance(local_devices, int) or local_devices < 1:
+        raise ConfigError(f"local_devices must be a positive int, got {local_devices!r}")
+    mine = torch.tensor([local_devices], dtype=torch.int64, device=session.device)
+    counts = [int(count.item()) for count in _all_gather(session, mine)]
+    return Topology(
+        local_devices=local_devices,
+        rank=session.rank,
+        world_size=session.world_size,
+        device_offset=sum(counts[: session.rank]),
+        world_devices=sum(counts),
+    )
+
+
+_Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def _signature(named: Sequence[tuple[str, torch.Tensor]]) -> _Signature:
+    return [(name, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")) for name, tensor in named]
+
+
+def _decode_signature(raw: bytes) -> _Signature:
+    return [(name, tuple(shape), dtype) for name, shape, dtype in msgspec.msgpack.decode(raw)]
+
+
+def _describe_difference(reference: _Signature, other: _Signature, rank: int, noun: str) -> str | None:
+    """How ``rank``'s signature differs from rank 0's, naming the first differing entry; None if equal."""
+    for index, ((name0, shape0, dtype0), (name, shape, dtype)) in enumerate(zip(reference, other)):
+        if name != name0:
+            return f"{noun} {index} is {name!r} on rank {rank} but {name0!r} on rank 0"
+        parts = []
+        if shape != shape0:
+            parts.append(f"shape {shape} on rank {rank} but {shape0} on rank 0")
+        if dtype != dtype0:
+            parts.append(f"dtype {dtype} on rank {rank} but {dtype0} on rank 0")
+        if parts:
+            return f"{noun} {name!r} has " + " and ".join(parts)
+    if len(other) < len(reference):
+        return (
+            f"rank {rank} has {len(other)} {noun}s, rank 0 has {len(reference)}: "
+            f"{reference[len(other)][0]!r} (and any after it) is missing on rank {rank}"
+        )
+    if len(other) > len(reference):
+        return (
+            f"rank {rank} has {len(other)} {noun}s, rank 0 has {len(reference)}: "
+            f"{other[len(reference)][0]!r} (and any after it) exists only on rank {rank}"
+        )
+    return None
+
+
+def _verify_same(session: DistributedSession, signature: _Signature, noun: str) -> None:
+    # Gather digests first: the full lists travel only when something differs.
+    # Every rank sees the same gathered values, so every rank takes the same
+    # branch and raises the same error.
+    payload = msgspec.msgpack.encode(signature)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8).to(session.device)
+    digests = _all_gather(session, digest)
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return
+    signatures = [_decode_signature(raw) for raw in _all_gather_bytes(session, payload)]
+    differences = [
+        (rank, text)
+        for rank in range(1, session.world_size)
+        if (text := _describe_difference(signatures[0], signatures[rank], rank, noun)) is not None
+    ]
+    if not differences:  # the digests differed but the lists match: nothing to report
+        return
+    rank, text = differences[0]
+    also = f" (ranks {', '.join(str(r) for r, _ in differences)} all differ from rank 0)" if len(differences) > 1 else ""
+    raise ConfigError(
+        f"the model differs across ranks: {text}{also}. Every process must build the same model (same code, "
+        "same constructor arguments, same requires_grad settings) before fit"
+    )
+
+
+def verify_same_parameters(session: DistributedSession, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Check that every rank has the same parameter names, shapes and dtypes, in the same order. Collective.
+
+    :raises ~gsync.ConfigError: on every rank alike when any rank differs from
+        rank 0, naming the first differing rank, the first differing parameter
+        and what differs (name, shape, dtype, or the number of parameters).
+    """
+    _verify_same(session, _signature(named_params), "parameter")
+
+
+def _module_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # named_parameters/named_buffers skip shared tensors after their first
+    # name, so a tied weight is sent once.
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def broadcast_module_state(session: DistributedSession, module: nn.Module) -> None:
+    """Overwrite every parameter and buffer of ``module`` with rank 0's, in place. Collective.
+
+    The state travels as raw bytes, coalesced into a few flat buffers (one
+    collective per ~128 MiB, whatever the dtypes), so it is exact for every
+    dtype and costs a handful of collectives instead of one per tensor.
+
+    :raises ~gsync.ConfigError: on every rank alike when the parameters or
+        buffers differ across ranks (checked first, as in
+        :func:`verify_same_parameters`).
+    """
+    named = _module_state(module)
+    _verify_same(session, _signature(named), "parameter or buffer")
+    tensors = [tensor for _, tensor in named if tensor.numel() > 0]
+    with torch.no_grad():
+        for chunk in _chunks(tensors):
+            _broadcast_bytes(session, chunk)
+
+
+def _padded_bytes(tensor: torch.Tensor) -> int:
+    size = tensor.numel() * tensor.element_size()
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def _chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = _padded_bytes(tensor)
+        if chunk and size + nbytes > _STATE_CHUNK_BYTES:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(tensor)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def _broadcast_bytes(session: DistributedSession, tensors: list[torch.Tensor]) -> None:
+    offsets = []
+    total = 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += _padded_bytes(tensor)
+    flat = torch.empty(total, dtype=torch.uint8, device=session.device)
+    source = session.rank == 0
+    if source:
+        for tensor, offset in zip(tensors, offsets):
+            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            flat[offset : offset + raw.numel()].copy_(raw)
+    dist.broadcast(flat, src=session.source_rank, group=session.group)
+    if not source:
+        for tensor, offset in zip(tensors, offsets):
+            nbytes = tensor.numel() * tensor.element_size()
+            tensor.copy_(flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
+
+
+def agree_on_order(session: DistributedSession, order: Sequence[int]) -> list[int]:
+    """Rank 0's ``order`` (e.g. the parameter order its first backward observed), on every rank. Collective.
+
+    Each rank observes its own gradient order; a bucket plan rebuilt from a
+    local order could differ between ranks, and then bucket ``b`` would not
+    mean the same bytes everywhere. Rebuild from the agreed order instead.
+
+    :raises ~gsync.ConfigError: on every rank alike when the orders differ in
+        length (the ranks do not train the same parameters).
+    """
+    mine = torch.tensor([len(order)], dtype=torch.int64, device=session.device)
+    lengths = [int(length.item()) for length in _all_gather(session, mine)]
+    if len(set(lengths)) > 1:
+        raise ConfigError(
+            f"ranks observed gradient orders of different lengths {lengths}: every rank must train the same "
+            "parameters (same model, same requires_grad settings)"
+        )
+    agreed = torch.tensor(list(order), dtype=torch.int64).to(session.device)
+    dist.broadcast(agreed, src=session.source_rank, group=session.group)
+    return [int(position) for position in agreed.tolist()]

@@ -1,0 +1,166 @@
+"""What a multi-process ``fit`` adds to a one-process one, in one object the engine drives.
+
+Every method blocks (they are collectives or store round trips), so the
+engine calls them from its own threads: setup and teardown from a dedicated
+``gsync-dist`` worker thread, the per-step agreement from the communication
+thread, right after that step's bucket reductions, so every rank issues the
+same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError, GsyncError, PeerFailed
+from ..topology import Topology
+from .agreement import agree_on_order, broadcast_module_state, gather_topology, verify_same_parameters
+from .failures import FailureBoard, FailureReport, failure_report, peer_failed
+from .session import DistributedSession, join
+
+__all__ = ("ProcessGroupRuntime", "StepAgreement")
+
+# gloo's own timeout is set a little past gsync's, so gsync's SyncTimeout,
+# which names what is missing, fires first.
+_GROUP_TIMEOUT_MARGIN_S = 30.0
+# How long a rank whose collective failed waits for a peer's report before
+# blaming the collective: a peer that failed closes its connections at once,
+# which can beat its report to this rank's watcher.
+_PEER_REPORT_GRACE_S = 2.0
+
+
+class StepAgreement:
+    """The per-step facts every rank must share, agreed with one small all-reduce.
+
+    - which parameters got a gradient on no device of any rank (the optimizer
+      must skip those everywhere, or replicas diverge);
+    - whether any rank skips the step (``on_nonfinite="skip"``);
+    - with process-local data, that every rank's batch had the same number
+      of rows (the reduction weights assume it).
+    """
+
+    __slots__ = ("unused", "skip")
+
+    def __init__(self, unused: tuple[int, ...], skip: bool) -> None:
+        self.unused = unused
+        self.skip = skip
+
+
+class ProcessGroupRuntime:
+    def __init__(self, session: DistributedSession, topology: Topology) -> None:
+        self.session = session
+        self.topology = topology
+        self.board = FailureBoard(session)
+
+    @classmethod
+    def start(
+        cls,
+        process_group: dist.ProcessGroup | None,
+        store: dist.Store | None,
+        device_type: str,
+        first_device: torch.device,
+        local_devices: int,
+        sync_timeout: float,
+        process_local_data: bool,
+    ) -> ProcessGroupRuntime:
+        """Join the group and agree on the topology. Collective; blocks until every rank joined.
+
+        :raises ~gsync.ConfigError: for a missing environment, a group or store
+            gsync cannot use, or process-local data with unequal device counts.
+        """
+        session = join(
+            process_group,
+            device_type,
+            sync_timeout + _GROUP_TIMEOUT_MARGIN_S,
+            store=store,
+            device=first_device if device_type == "cuda" else None,
+        )
+        try:
+            topology = gather_topology(session, local_devices)
+            if process_local_data and topology.world_devices != local_devices * topology.world_size:
+                raise ConfigError(
+                    "process-local data needs the same number of devices on every rank (the weights assume "
+                    f"equal shares); this rank has {local_devices} of {topology.world_devices} over "
+                    f"{topology.world_size} ranks"
+                )
+        except BaseException:
+            session.close()
+            raise
+        return cls(session, topology)
+
+    def prepare(self, replicas: Sequence[nn.Module]) -> None:
+        """Check every rank trains the same parameters and start every replica from rank 0's state. Collective.
+
+        :raises ~gsync.ConfigError: on every rank, naming the first parameter
+            (and rank) that differs.
+        """
+        first = replicas[0]
+        verify_same_parameters(self.session, [(n, p) for n, p in first.named_parameters() if p.requires_grad])
+        broadcast_module_state(self.session, first)
+        state = first.state_dict()
+        for replica in replicas[1:]:
+            replica.load_state_dict(state)
+
+    def agree_order(self, order: Sequence[int]) -> list[int]:
+        """Rank 0's observed gradient order, so every rank rebuilds the same bucket plan. Collective."""
+        return agree_on_order(self.session, order)
+
+    def agree_step(
+        self, step: int, num_params: int, locally_unused: Sequence[int], skip: bool, local_rows: int | None
+    ) -> StepAgreement:
+        """Agree on one step's unused parameters and skip flag (and row counts for local data). Collective.
+
+        :raises ~gsync.ConfigError: when ranks fed process-local batches of different sizes.
+        """
+        facts = torch.ones(num_params + 3, dtype=torch.float64)
+        if locally_unused:
+            facts[list(locally_unused)] = 0.0
+        rows = 0 if local_rows is None else local_rows
+        facts[num_params:] = torch.tensor([1.0 if skip else 0.0, rows, rows * rows], dtype=torch.float64)
+        facts = facts.to(self.session.device)
+        dist.all_reduce(facts, group=self.session.group)
+        facts = facts.cpu()
+        if local_rows is not None:
+            world = self.session.world_size
+            total, squares = float(facts[num_params + 1]), float(facts[num_params + 2])
+            # Equal sizes exactly when the sum of squares is world * mean^2.
+            if abs(total * total - world * squares) > 0.5:
+                raise ConfigError(
+                    f"ranks fed batches of different sizes at step {step} (mean {total / world:g} rows); with "
+                    "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
+                )
+        unused = tuple(int(p) for p in torch.nonzero(facts[:num_params] == 0).flatten().tolist())
+        return StepAgreement(unused, bool(facts[num_params] > 0))
+
+    def global_losses(self, local: Sequence[float]) -> list[float]:
+        """Each step's global mean loss from every rank's weighted share. Collective."""
+        if not local:
+            return []
+        losses = torch.tensor(list(local), dtype=torch.float64, device=self.session.device)
+        dist.all_reduce(losses, group=self.session.group)
+        return [float(value) for value in losses.cpu().tolist()]
+
+    def watch(self, callback: Callable[[FailureReport], object]) -> None:
+        self.board.start_watching(callback)
+
+    def report(self, error: GsyncError) -> None:
+        """Tell the other ranks why this rank's fit is ending (not for :class:`~gsync.PeerFailed`)."""
+        if not isinstance(error, PeerFailed):
+            self.board.report(failure_report(self.session.rank, error))
+
+    def blame_peer(self, error: GsyncError) -> GsyncError:
+        """For a failed or stalled collective, the peer's failure that caused it, if one was reported."""
+        report = self.board.peer_report(_PEER_REPORT_GRACE_S)
+        if report is None:
+            return error
+        blamed = peer_failed(report)
+        blamed.__cause__ = error
+        return blamed
+
+    def close(self) -> None:
+        """Stop the watcher and destroy what gsync created (a user's group stays up)."""
+        self.board.stop()
+        self.session.close()

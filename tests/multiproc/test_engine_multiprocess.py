@@ -1,0 +1,193 @@
+"""gsync.Engine across 2 real processes (gloo on loopback), as torchrun starts them."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+STEPS = 5
+ROWS = 19  # uneven over 2 and over 4 devices
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def train_everywhere() -> dict[str, Any]:
+    """Each rank: DDP, then gsync with 1 and 2 local devices, then process-local data and a user group."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    # Rank 1 starts from different weights: gsync must broadcast rank 0's.
+    torch.manual_seed(0 if rank == 0 else 1)
+    model = TiedNet()
+    batches = make_batches(STEPS, ROWS)
+    out: dict[str, Any] = {}
+
+    async def fits() -> None:
+        one = await gsync.Engine(["cpu"], sync_timeout=30).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
+        out["gsync_1x2"] = (_state(one.model), one.losses)
+        two = await gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=30).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
+        out["gsync_2x2"] = (_state(two.model), two.losses)
+        # Process-local data: each rank feeds its own half of every batch.
+        local = [tuple(t[rank::2] for t in batch) for batch in make_batches(STEPS, 20)]
+        three = await gsync.Engine(["cpu"], sync_timeout=30).fit(
+            copy.deepcopy(model), local, optimizer=sgd, loss_fn=classification_loss, process_local_data=True
+        )
+        out["local"] = (_state(three.model), three.losses)
+
+    asyncio.run(fits())
+
+    # torch DDP on the same data: each rank trains on its contiguous half of each batch.
+    dist.init_process_group("gloo")
+    ddp_model = copy.deepcopy(model)
+    for param in ddp_model.parameters():
+        dist.broadcast(param.data, src=0)
+    ddp = DistributedDataParallel(ddp_model, find_unused_parameters=True)
+    optimizer = sgd([p for p in ddp.parameters() if p.requires_grad])
+    half = [tuple(torch.tensor_split(t, 2)[rank] for t in batch) for batch in make_batches(STEPS, 20)]
+    for x, y in half:
+        optimizer.zero_grad(set_to_none=True)
+        classification_loss(ddp, (x, y)).backward()
+        optimizer.step()
+    out["ddp"] = _state(ddp.module)
+
+    async def with_user_group() -> None:
+        result = await gsync.Engine(["cpu"], process_group=dist.group.WORLD, sync_timeout=30).fit(
+            copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss
+        )
+        out["user_group"] = _state(result.model)
+        # The user's group is left up.
+        probe = torch.ones(1)
+        dist.all_reduce(probe)
+        out["group_still_up"] = float(probe.item())
+
+    asyncio.run(with_user_group())
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_matches_one_device_training_and_ddp() -> None:
+    results = run_ranks(train_everywhere, 2, timeout=100, check=True)
+    torch.manual_seed(0)
+    model = TiedNet()
+    expected, expected_losses = train_reference(model, make_batches(STEPS, ROWS))
+    expected_20, _ = train_reference(model, make_batches(STEPS, 20))
+    reference = _state(expected)
+    reference_20 = _state(expected_20)
+    for result in results:
+        out = result.value
+        for key in ("gsync_1x2", "gsync_2x2"):
+            state, losses = out[key]
+            for name, value in state.items():
+                torch.testing.assert_close(value, reference[name], atol=2e-5, rtol=0, msg=f"{key} rank {result.rank} {name}")
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+        local_state, _ = out["local"]
+        for name, value in out["ddp"].items():
+            # DDP and gsync with process-local data see the same halves: same parameters.
+            torch.testing.assert_close(local_state[name], value, atol=2e-5, rtol=0, msg=f"ddp rank {result.rank} {name}")
+            torch.testing.assert_close(value, reference_20[name], atol=2e-5, rtol=0)
+        for name, value in out["user_group"].items():
+            torch.testing.assert_close(value, reference[name], atol=2e-5, rtol=0)
+        assert out["group_still_up"] == 2.0
+
+
+def fail_on_rank_1() -> dict[str, Any]:
+    import gsync
+    import gsync.testing
+
+    rank = int(os.environ["RANK"])
+    engine = gsync.Engine(["cpu"], sync_timeout=20)
+    faults = [gsync.testing.fail(0, 2, "backward", error=RuntimeError("boom on rank 1"))] if rank == 1 else []
+    started = time.monotonic()
+    try:
+        with gsync.testing.inject(engine, *faults):
+            asyncio.run(engine.fit(TiedNet(), make_batches(STEPS, 8), optimizer=sgd, loss_fn=classification_loss))
+    except gsync.GsyncError as error:
+        return {
+            "type": type(error).__name__,
+            "message": str(error),
+            "rank": getattr(error, "rank", None),
+            "step": getattr(error, "step", None),
+            "last_step": error.last_step,
+            "elapsed": time.monotonic() - started,
+        }
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_failed_rank_is_named_on_every_other_rank() -> None:
+    failed, peer = sorted(run_ranks(fail_on_rank_1, 2, timeout=80, check=True), key=lambda r: -r.rank)
+    assert failed.value["type"] == "WorkerFailed" and failed.value["step"] == 2
+    assert peer.value["type"] == "PeerFailed"
+    assert peer.value["rank"] == 1 and peer.value["step"] == 2
+    assert "rank 1 failed" in peer.value["message"] and "boom on rank 1" in peer.value["message"]
+    assert peer.value["elapsed"] < 20  # well within sync_timeout, not a hang
+    assert peer.value["last_step"] in (1, None) or peer.value["last_step"] <= 2
+
+
+def mismatched_model() -> str:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    model = TiedNet(hidden=24 if rank == 0 else 25)
+    try:
+        asyncio.run(gsync.Engine(["cpu"], sync_timeout=20).fit(model, make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss))
+    except gsync.ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_parameter_mismatch_is_refused_on_every_rank_naming_parameter_and_rank() -> None:
+    for result in run_ranks(mismatched_model, 2, timeout=80, check=True):
+        assert "embed.weight" in result.value and "rank 1" in result.value, result.value
+
+
+def killed_at_step_2() -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if rank == 1 and model.calls == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        model.calls += 1
+        return classification_loss(model, batch)
+
+    model = TiedNet()
+    model.calls = 0  # type: ignore[assignment]
+    started = time.monotonic()
+    try:
+        asyncio.run(gsync.Engine(["cpu"], sync_timeout=5).fit(model, make_batches(STEPS, 8), optimizer=sgd, loss_fn=loss_fn))
+    except gsync.GsyncError as error:
+        return {"type": type(error).__name__, "message": str(error), "elapsed": time.monotonic() - started}
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
+    results = run_ranks(killed_at_step_2, 2, timeout=80)
+    survivor = results[0]
+    assert results[1].returncode == -signal.SIGKILL
+    assert survivor.ok, survivor.traceback or survivor.stderr
+    assert survivor.value["type"] in ("SyncFailed", "SyncTimeout"), survivor.value
+    assert survivor.value["elapsed"] < 5 + 5
