@@ -36,7 +36,7 @@ from gsync.distributed import (
 )
 from gsync.topology import Topology
 
-from harness import RankResult, run_ranks
+from harness import run_ranks
 
 
 class Net(nn.Module):

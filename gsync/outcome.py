@@ -1,0 +1,48 @@
+"""Turning however a fit's task group ended into the one exception ``fit`` raises."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from .errors import ConfigError, FitError, GsyncError, InputTypeError
+
+__all__ = ("first_failure",)
+
+
+def _flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+    found: list[BaseException] = []
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            found.extend(_flatten(error))
+        else:
+            found.append(error)
+    return found
+
+
+def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = ()) -> BaseException:
+    """Pick the one exception ``fit`` raises out of everything the task group collected.
+
+    Bad input comes first (it is the root cause of anything that followed);
+    then gsync's failures by time, the earliest carrying the others; then
+    anything else (a bug, or a cancellation). ``late`` are failures recorded
+    by devices whose tasks were cancelled before they could raise them.
+    """
+    errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+    if not errors:
+        return group.exceptions[0]
+    errors += [e for e in late if all(e is not seen for seen in errors)]
+    for error in errors:
+        if isinstance(error, (ConfigError, InputTypeError)):
+            return error
+    failures = sorted((e for e in errors if isinstance(e, FitError)), key=lambda e: e.at)
+    if failures:
+        first, others = failures[0], tuple(failures[1:])
+        first.others = others
+        for other in others:
+            first.add_note(f"also failed: {other}")
+        return first
+    gsync_errors = [e for e in errors if isinstance(e, GsyncError)]
+    return (gsync_errors or errors)[0]
