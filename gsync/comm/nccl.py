@@ -30,7 +30,7 @@ import torch
 import torch.cuda.nccl
 
 from ..errors import ConfigError, GsyncError
-from ..streams import CudaStreamSync, _cuda_devices
+from ..streams.cuda import CudaStreamSync, cuda_devices
 
 __all__ = ("NcclCollective",)
 
@@ -48,7 +48,7 @@ class NcclCollective:
     """
 
     def __init__(self, devices: Sequence[torch.device | str], streams: CudaStreamSync) -> None:
-        self._devices = _cuda_devices(devices, "NcclCollective")
+        self._devices = cuda_devices(devices, "NcclCollective")
         if not isinstance(streams, CudaStreamSync):
             raise ConfigError(f"NcclCollective needs a gsync.streams.CudaStreamSync, got {type(streams).__name__}")
         if tuple(streams.devices) != self._devices:
