@@ -7,6 +7,7 @@ from .engine import Engine as Engine
 from .engine import FitResult as FitResult
 from .engine import FitStats as FitStats
 from .errors import ConfigError as ConfigError
+from .errors import DataFailed as DataFailed
 from .errors import FitError as FitError
 from .errors import GsyncError as GsyncError
 from .errors import InputTypeError as InputTypeError
@@ -17,7 +18,6 @@ from .errors import ReplicasDiverged as ReplicasDiverged
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
 from .errors import WorkerFailed as WorkerFailed
-from .feeder import DataFailed as DataFailed
 from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
 

@@ -128,10 +128,6 @@ class WorkerThread:
         """Let the thread exit after the jobs already submitted."""
         self._jobs.put(_STOP)
 
-    @property
-    def alive(self) -> bool:
-        return self._thread.ident is not None and not self._exited.is_set()
-
     async def join(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the thread to exit, without blocking the loop.
 

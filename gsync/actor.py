@@ -185,7 +185,7 @@ class DeviceActor:
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device)
         self.readiness = Readiness(self.plan)
 
-    def _forward_backward(self, shard: Shard) -> float | None:
+    def _forward_backward(self, shard: Shard) -> None:
         self.step = shard.step
         with self._enter("data"):
             data = move_batch(shard.data, self.spec.torch_device)
@@ -197,22 +197,24 @@ class DeviceActor:
             # An empty shard has nothing to learn from: it posts every bucket
             # as unused (all zeros) and is weighted zero in the reduction.
             self._post_unfinished()
-            return None
+            return
         with self._enter("forward"):
             loss = self._context.loss_fn(self.replica, data)
             self._check_loss(loss)
             value = loss.item()
+        # Recorded here, before any bucket of this device is posted, so the
+        # step's closing job (which follows every BucketReady) can read it.
+        self.losses[self.step] = value * shard.rows / shard.total_rows
         if not math.isfinite(value):
             if self._context.on_nonfinite == "raise":
                 raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
             # Skipping: no backward, so the bucket holds zeros; the server sees
             # the flag and tells every device to skip this step's update.
             self._post_unfinished(skip=True)
-            return value
+            return
         with self._enter("backward"):
             loss.backward()
         self._post_unfinished()
-        return value
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"
@@ -234,10 +236,12 @@ class DeviceActor:
             self._context.streams.mark_ready(self.index, bucket)
             self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
 
-    def _skip(self) -> None:
+    def _skip(self, step: int) -> None:
         # The step is left out, but the next step zeroes the buckets, which
         # must still wait for this step's reductions.
         self._context.streams.before_apply(self.index)
+        # Left out everywhere, so the replica is as consistent after it as before.
+        self.applied_step = step
 
     def _apply(self, step: int, unused: tuple[int, ...]) -> float | None:
         self._context.streams.before_apply(self.index)
@@ -252,9 +256,10 @@ class DeviceActor:
             finally:
                 for position in unused:
                     self.params[position].grad = self.grads.views[position]
-            # Only a step that returned leaves the replica consistent.
-            self.optimizer_dirty = False
+            # Only a step that returned leaves the replica consistent; the step
+            # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = step
+            self.optimizer_dirty = False
         every = self._context.check_replicas_every
         if every is not None and (step + 1) % every == 0:
             with torch.no_grad():
@@ -301,9 +306,7 @@ class DeviceActor:
         try:
             async with shards:
                 async for shard in shards:
-                    loss = await self._in_thread(self._forward_backward, shard)
-                    if loss is not None:
-                        self.losses[shard.step] = loss * shard.rows / shard.total_rows
+                    await self._in_thread(self._forward_backward, shard)
                     if not await self._await_sync(shard.step):
                         return
             message = await self.mailbox.receive()
@@ -317,7 +320,7 @@ class DeviceActor:
         match message:
             case StepSynced(step=synced, unused=unused, skip=skip) if synced == step:
                 if skip:
-                    await self._in_thread(self._skip)
+                    await self._in_thread(self._skip, step)
                     return True
                 with anyio.move_on_after(self._context.sync_timeout) as deadline:
                     fingerprint = await self._in_thread(self._apply, step, unused)

@@ -130,9 +130,6 @@ class ReplicaGrads:
         for flat in self.flats:
             flat.zero_()
 
-    def is_attached(self, param: int) -> bool:
-        return self.params[param].grad is self.views[param]
-
 
 class Readiness:
     """Counts, per bucket, the parameters whose gradient is final in the current step.

@@ -10,7 +10,6 @@ from the snapshot the buffer broadcast of that step already made.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +45,9 @@ class Checkpoint:
         for name, value in (buffers or {}).items():
             if name in state:
                 state[name] = value.detach().to("cpu", copy=True)
-        optimizer_state = copy.deepcopy(optimizer.state_dict())
-        return cls(step, state, _to_cpu(optimizer_state))
+        # Copied straight to the CPU: a failure caused by device memory
+        # pressure must still be able to take its checkpoint.
+        return cls(step, state, _to_cpu(optimizer.state_dict()))
 
 
 def _to_cpu(value: Any) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -36,7 +36,7 @@ def _positive(name: str, value: object) -> float:
 
 
 class Engine:
-    """Data-parallel training over several devices in one process.
+    """Data-parallel training over this process's devices, and over other processes' when it spans several.
 
     :param devices: device strings or ``torch.device``s; ``"cpu:N"`` is the
         N-th virtual CPU device. Default: every visible CUDA device, else ``["cpu"]``.
@@ -49,9 +49,11 @@ class Engine:
     :param on_nonfinite: ``"raise"`` (default) to stop with
         :class:`~gsync.NonFiniteLoss` when a device's loss is NaN or infinite,
         ``"skip"`` to leave that step's update out on every device.
-    :param check_replicas_every: compare a fingerprint of every replica's
-        parameters every N steps and raise :class:`~gsync.ReplicasDiverged` if
-        they differ (one pass over the parameters per check). Off by default.
+    :param check_replicas_every: compare a fingerprint of every local
+        replica's parameters every N steps and raise
+        :class:`~gsync.ReplicasDiverged` if they differ (one pass over the
+        parameters per check). Off by default; needs two or more devices in
+        this process (replicas are not compared across processes).
     :param trace: record a timeline of every phase and reduction in
         ``FitResult.trace`` (see :class:`gsync.Trace`); ``True`` for a fresh
         trace per fit, or a ``Trace`` instance to record into.
@@ -97,6 +99,11 @@ class Engine:
         if devices is None and self.distributed:
             devices = _default_devices_of_this_process()
         self.devices: list[DeviceSpec] = parse_devices(devices)
+        if check_replicas_every is not None and len(self.devices) < 2:
+            raise ConfigError(
+                "check_replicas_every compares the replicas of this process, and it has only one device; "
+                "gsync does not compare replicas across processes yet: drop the option or list several devices"
+            )
         self.trace = trace
         self._site_hooks: list[SiteHook] = []
         self._running = False
@@ -131,6 +138,17 @@ class Engine:
         replicas start from its state, ``data`` is replayed and its first
         ``checkpoint.step + 1`` batches (counted across epochs) are skipped, so
         ``data`` must yield the same batches in the same order as before.
+        ``epochs`` counts every epoch of the run, including those before the
+        checkpoint.
+
+        Across processes, every process by default iterates the same global
+        batches and keeps its own devices' shards (rank-major), so results do
+        not depend on how devices are spread over processes. With
+        ``process_local_data=True`` each process's ``data`` yields its own
+        batches instead (e.g. a ``DataLoader`` with a ``DistributedSampler``
+        and ``drop_last=True``), split over its own devices; every process's
+        batches must then have the same size at each step (checked), and
+        every process the same number of batches.
 
         Cancelling the calling task (``anyio.move_on_after``, ``Task.cancel``,
         a notebook interrupt) stops every actor and worker thread and
@@ -142,14 +160,6 @@ class Engine:
         :raises ~gsync.SyncFailed: when a reduction raises.
         :raises ~gsync.SyncTimeout: when a step stalls for ``sync_timeout`` seconds.
         :raises ~gsync.NonFiniteLoss: when a loss is not finite (``on_nonfinite="raise"``).
-        Across processes, every process by default iterates the same global
-        batches and keeps its own devices' shards (rank-major), so results do
-        not depend on how devices are spread over processes. With
-        ``process_local_data=True`` each process's ``data`` yields its own
-        batches instead (e.g. a ``DataLoader`` with a ``DistributedSampler``
-        and ``drop_last=True``), split over its own devices; every process's
-        batches must then have the same size at each step (checked).
-
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
         :raises ~gsync.PeerFailed: when another process's fit failed.
         """
@@ -189,9 +199,9 @@ def _check_fit_args(
         raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
     if not isinstance(data, (Iterable, AsyncIterable)):
         raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
-    one_shot = (isinstance(data, Iterable) and iter(data) is data) or (
-        isinstance(data, AsyncIterable) and aiter(data) is data
-    )
+    # Type checks only: calling iter() here would run a DataLoader's sampler
+    # (consuming RNG state) or start its workers on the event loop.
+    one_shot = isinstance(data, (Iterator, AsyncIterator))
     if one_shot and epochs > 1:
         raise ConfigError(
             f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "

@@ -22,6 +22,7 @@ __all__ = (
     "NonFiniteLoss",
     "ReplicasDiverged",
     "PeerFailed",
+    "DataFailed",
 )
 
 
@@ -200,3 +201,11 @@ class PeerFailed(FitError):
         self.site = site
         self.error_type = error_type
         self.remote_message = remote_message
+
+
+class DataFailed(FitError):
+    """Iterating the user's ``data`` raised while reading the batch of ``step``; the cause is ``__cause__``."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"reading the batch of step {step} from data failed")
+        self.step = step

@@ -9,6 +9,9 @@ server (``StepDispatched``, with every device's row count, from which the
 reduction weights follow), then sends the shards. Device streams hold one
 shard, so data for step ``s+1`` is prepared while step ``s`` trains.
 
+With ``process_local`` (multi-process runs fed per-process data), each
+batch is this process's own and is split over the local devices only.
+
 Synchronous iterables other than lists and tuples (a ``DataLoader``, a
 generator) are advanced in a worker thread, so slow data loading never blocks
 the event loop. Async iterables are awaited directly.
@@ -25,20 +28,12 @@ from anyio.abc import ObjectSendStream
 from ._threads import LoopHandle, WorkerThread
 from .actor import Shard
 from .batches import batch_rows, shard_rows, split_batch
-from .errors import ConfigError, GsyncError, InputTypeError
+from .errors import ConfigError, DataFailed, GsyncError, InputTypeError
 from .mailbox import Mailbox
 from .topology import Topology
 from .messages import Close, ServerMessage, StepDispatched
 
-__all__ = ("Feeder", "DataFailed")
-
-
-class DataFailed(GsyncError, RuntimeError):
-    """Iterating the user's ``data`` raised; the original exception is ``__cause__``."""
-
-    def __init__(self, step: int) -> None:
-        super().__init__(f"reading the batch of step {step} from data failed")
-        self.step = step
+__all__ = ("Feeder",)
 
 
 _END = object()

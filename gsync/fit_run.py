@@ -27,7 +27,7 @@ from .comm.process_group import ProcessGroupCollective
 from .devices import DeviceSpec
 from .distributed import FailureReport, peer_failed
 from .distributed.runtime import ProcessGroupRuntime
-from .errors import ConfigError, FitError, GsyncError, InputTypeError, SyncFailed, SyncTimeout
+from .errors import ConfigError, GsyncError, InputTypeError, SyncFailed, SyncTimeout
 from .feeder import Feeder
 from .mailbox import Mailbox
 from .messages import ServerMessage
@@ -102,7 +102,7 @@ class FitRun:
             replica = copy.deepcopy(self.model).to(spec.torch_device)
             if self.resume is not None:
                 replica.load_state_dict(self.resume.model_state)
-            replica.train()
+            # Modes are kept as given (a frozen BatchNorm in eval mode stays so), as DDP does.
             replicas.append(replica)
         return replicas
 
@@ -137,6 +137,11 @@ class FitRun:
                 )
             )
             return await self._train(loop, runtime, setup)
+        except GsyncError as failure:
+            if runtime is not None:
+                # Before the group goes down, so peers learn why instead of seeing connections close.
+                await _report(runtime, setup, failure)
+            raise
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
                 if runtime is not None:
@@ -198,12 +203,15 @@ class FitRun:
             return runtime.agree_order(order) if runtime is not None else order
 
         finish = None
+        global_losses: dict[int, float] = {}
         if runtime is not None:
             group_runtime = runtime
 
             def finish(step: int, unused: tuple[int, ...], skip: bool, rows: int | None) -> tuple[tuple[int, ...], bool]:
                 local_rows = rows if self.process_local_data else None
-                agreed = group_runtime.agree_step(step, len(plan.names), unused, skip, local_rows)
+                local_loss = sum(actor.losses.get(step, 0.0) for actor in actors)
+                agreed = group_runtime.agree_step(step, len(plan.names), unused, skip, local_rows, local_loss)
+                global_losses[step] = agreed.loss
                 return agreed.unused, agreed.skip
 
         server = SyncServer(
@@ -239,8 +247,8 @@ class FitRun:
         try:
             try:
                 async with anyio.create_task_group() as group:
-                    if runtime is not None:
-                        group.start_soon(_raise_on_peer_failure, runtime, loop)
+                    if runtime is not None and setup is not None:
+                        group.start_soon(_raise_on_peer_failure, runtime, setup, loop)
                     async with anyio.create_task_group() as work:
                         work.start_soon(server.run)
                         for actor, (_, receive) in zip(actors, streams_of_shards):
@@ -249,9 +257,6 @@ class FitRun:
                     group.cancel_scope.cancel()
             except BaseExceptionGroup as errors:
                 failure_group = errors
-                if runtime is not None and setup is not None:
-                    # Tell the other ranks before this rank tears anything down.
-                    await _report(runtime, setup, first_failure(errors))
         finally:
             abort.set()
             for send, receive in streams_of_shards:
@@ -264,7 +269,7 @@ class FitRun:
             # Devices that failed while the group was already ending (up to the
             # end of teardown) had their tasks cancelled before they could
             # raise; their failures were kept on the actor.
-            late = [a.failure for a in actors if isinstance(a.failure, FitError)]
+            late = [a.failure for a in actors if a.failure is not None]
             failure = first_failure(failure_group, late)
             if runtime is not None and setup is not None and isinstance(failure, (SyncFailed, SyncTimeout)):
                 failure = await _blame_peer(runtime, setup, failure)
@@ -276,12 +281,19 @@ class FitRun:
                 self._attach_checkpoint(failure, actors, buffers)
             raise failure
 
+        if server.steps_synced == 0 and self.resume is not None:
+            raise ConfigError(
+                f"resuming after step {self.resume.step} trained nothing: data has no batch past it in {self.epochs} "
+                "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+            )
         with torch.no_grad():
             self.model.load_state_dict(replicas[0].state_dict())
         last_step = self.first_step + server.steps_synced - 1
-        losses = [sum(actor.losses.get(step, 0.0) for actor in actors) for step in range(self.first_step, last_step + 1)]
-        if runtime is not None and setup is not None:
-            losses = await setup.run(lambda: runtime.global_losses(losses))
+        steps = range(self.first_step, last_step + 1)
+        if runtime is not None:
+            losses = [global_losses[step] for step in steps]
+        else:
+            losses = [sum(actor.losses.get(step, 0.0) for actor in actors) for step in steps]
         return FitResult(
             model=self.model,
             losses=losses,
@@ -331,7 +343,7 @@ def _local_collective(devices: Sequence[DeviceSpec], streams: StreamSync) -> Col
     return LocalCollective(len(devices))
 
 
-async def _raise_on_peer_failure(runtime: ProcessGroupRuntime, loop: LoopHandle) -> None:
+async def _raise_on_peer_failure(runtime: ProcessGroupRuntime, setup: WorkerThread, loop: LoopHandle) -> None:
     """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`."""
     arrived = anyio.Event()
     reports: list[FailureReport] = []
@@ -340,15 +352,15 @@ async def _raise_on_peer_failure(runtime: ProcessGroupRuntime, loop: LoopHandle)
         reports.append(report)
         arrived.set()
 
-    runtime.watch(lambda report: loop.call_soon(deliver, report))
+    # Starting the watcher opens a store connection: not on the event loop.
+    await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
     await arrived.wait()
     raise peer_failed(reports[0])
 
 
-async def _report(runtime: ProcessGroupRuntime, setup: WorkerThread, failure: BaseException) -> None:
-    if isinstance(failure, GsyncError):
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
-            await setup.run(lambda: runtime.report(failure))
+async def _report(runtime: ProcessGroupRuntime, setup: WorkerThread, failure: GsyncError) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
+        await setup.run(lambda: runtime.report(failure))
 
 
 async def _blame_peer(runtime: ProcessGroupRuntime, setup: WorkerThread, failure: GsyncError) -> GsyncError:

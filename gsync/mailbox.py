@@ -33,7 +33,6 @@ class Mailbox(Generic[M]):
         self._loop = loop
         self._send, self._receive = anyio.create_memory_object_stream[M](math.inf)
         self._closed = False
-        self.posted = 0
 
     @property
     def closed(self) -> bool:
@@ -46,7 +45,6 @@ class Mailbox(Generic[M]):
         """
         if self._closed:
             raise MailboxClosed(self.owner, message)
-        self.posted += 1
         self._send.send_nowait(message)
 
     def try_post(self, message: M) -> bool:

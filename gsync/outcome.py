@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 
+from .actor import FitAborted
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
 
 __all__ = ("first_failure",)
@@ -30,10 +31,11 @@ def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = (
     anything else (a bug, or a cancellation). ``late`` are failures recorded
     by devices whose tasks were cancelled before they could raise them.
     """
-    errors = [e for e in _flatten(group) if not isinstance(e, anyio.get_cancelled_exc_class())]
+    # FitAborted is how peers stop once one device failed: never the root cause.
+    errors = [e for e in _flatten(group) if not isinstance(e, (anyio.get_cancelled_exc_class(), FitAborted))]
+    errors += [e for e in late if all(e is not seen for seen in errors)]
     if not errors:
         return group.exceptions[0]
-    errors += [e for e in late if all(e is not seen for seen in errors)]
     for error in errors:
         if isinstance(error, (ConfigError, InputTypeError)):
             return error

@@ -24,7 +24,7 @@ import anyio
 import torch
 
 from ._threads import LoopHandle, Outcome, WorkerThread
-from .actor import ActorContext, SiteHook
+from .actor import ActorContext, FitAborted, SiteHook
 from .buffers import BufferSync
 from .comm.base import Collective
 from .errors import GsyncError, SyncFailed, SyncTimeout
@@ -72,7 +72,6 @@ class SyncServer:
         self.comm = WorkerThread("gsync-comm", loop)
         self.bucket_ready_received = 0
         self.steps_synced = 0
-        self.last_synced = -1
         self.skipped_steps: list[int] = []
         self._context = context
         self._device_names = list(device_names)
@@ -168,10 +167,14 @@ class SyncServer:
             unreduced = list(range(reduced, next_launch))
             stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
             last_seen = {self._device_names[d]: self._last_seen(d) for d in stalled} if self._last_seen else None
-            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, last_seen=last_seen)
+            phase = "gradient sync"
+            if reduced == num_buckets:
+                phase = "closing collectives (buffer broadcast, agreement across processes)"
+            elif not missing_pairs:
+                phase = "gradient sync (waiting on the collective; with several processes, on another rank)"
+            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, phase=phase, last_seen=last_seen)
 
         no_gradient, skip = self._agreed
-        self.last_synced = step
         self.steps_synced += 1
         if self.steps_synced == 1 and self._after_first_step is not None:
             # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
@@ -194,6 +197,8 @@ class SyncServer:
             return True
 
         def finish() -> None:
+            if self._abort.is_set():
+                raise FitAborted
             if not self._buffers.empty:
                 self._broadcast_buffers(step)
             if self._finish is not None:
@@ -212,6 +217,9 @@ class SyncServer:
         self._submit(step, bucket, partial(self._reduce, step, bucket, self._flats(bucket), weights))
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
+        if self._abort.is_set():
+            # The fit is ending: queued reductions would only delay teardown.
+            raise FitAborted
         for hook in self._site_hooks:
             hook(-1, step, "all_reduce", self._abort)
         streams = self._context.streams
@@ -229,7 +237,7 @@ class SyncServer:
     def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
         if self._trace is not None:
             name = "finish_step" if bucket == _FINISH else "all_reduce"
-            job = partial(self._traced, self._trace.span(name, step, bucket=max(bucket, -1)), job)
+            job = partial(self._traced, self._trace.span(name, step, bucket=bucket), job)
         self.comm.submit(job, partial(self._on_comm_done, step, bucket))
 
     @staticmethod

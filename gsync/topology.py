@@ -29,7 +29,3 @@ class Topology:
     @property
     def local_slice(self) -> slice:
         return slice(self.device_offset, self.device_offset + self.local_devices)
-
-    @property
-    def multi_process(self) -> bool:
-        return self.world_size > 1

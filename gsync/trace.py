@@ -22,7 +22,8 @@ __all__ = ("Trace", "TraceEvent")
 
 class TraceEvent(msgspec.Struct, frozen=True, gc=False):
     name: str
-    """``forward``, ``backward``, ``optimizer`` (per device) or ``all_reduce``, ``broadcast_buffers`` (per step)."""
+    """``data``, ``forward``, ``backward``, ``optimizer`` (per device), or ``all_reduce`` and ``finish_step``
+    (buffer broadcast and cross-process agreement) on the communication thread."""
     step: int
     device: int
     """Device index, or -1 for the communication thread."""

@@ -133,3 +133,32 @@ async def test_batch_smaller_than_the_device_count_is_allowed() -> None:
         TiedNet(), make_batches(2, 1), optimizer=sgd, loss_fn=classification_loss
     )
     assert len(result.losses) == 2
+
+
+async def test_resuming_past_the_end_of_the_data_is_refused() -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    done = await engine.fit(TiedNet(), BATCHES, optimizer=sgd, loss_fn=classification_loss)
+    assert done.checkpoint is not None and done.checkpoint.step == 2
+    with pytest.raises(gsync.ConfigError, match="trained nothing"):
+        await engine.fit(TiedNet(), BATCHES, optimizer=sgd, loss_fn=classification_loss, resume=done.checkpoint)
+    more = await engine.fit(TiedNet(), BATCHES, optimizer=sgd, loss_fn=classification_loss, epochs=2, resume=done.checkpoint)
+    assert more.first_step == 3 and len(more.losses) == 3
+
+
+async def test_replica_check_needs_two_local_devices() -> None:
+    with pytest.raises(gsync.ConfigError, match="only one device"):
+        gsync.Engine(["cpu"], check_replicas_every=1)
+
+
+async def test_the_data_is_not_iterated_before_training() -> None:
+    class Recording:
+        def __init__(self) -> None:
+            self.iterations = 0
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            self.iterations += 1
+            return iter(BATCHES)
+
+    data = Recording()
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), data, optimizer=sgd, loss_fn=classification_loss, epochs=2)
+    assert data.iterations == 2  # once per epoch, never for validation

@@ -157,3 +157,18 @@ async def test_dataloader_over_epochs() -> None:
     assert len(result.losses) == 6
     assert_same_state(model, expected_model)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
+async def test_module_modes_are_kept_like_ddp() -> None:
+    """A BatchNorm frozen in eval mode stays in eval mode on every replica."""
+    torch.manual_seed(8)
+    model = Normed()
+    model.norm.eval()
+    batches = make_batches(3, 12)
+    expected_model, expected_losses = train_reference(model, batches)
+
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+    assert not model.norm.training and model.training
+    # In eval mode BatchNorm uses running stats, so sharding changes nothing: exact.
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)

@@ -313,3 +313,22 @@ async def test_fault_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="step"):
         gsync.testing.stall(0, -1, "forward")
 
+
+
+async def test_checkpoint_after_skipped_steps_resumes_exactly(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = Normed()
+    batches = make_batches(6, 12)
+    for poisoned in (2, 3):
+        batches[poisoned][0][7, 0] = float("nan")
+    unfailed = await gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip").fit(
+        copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss
+    )
+    assert unfailed.skipped_steps == [2, 3]
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip")
+    with gsync.testing.inject(engine, gsync.testing.fail(0, 4, "backward")), pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.last_step == 3  # skipped steps count as consistent
+    resumed = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss, resume=caught.value.checkpoint)
+    assert_same_state(resumed.model, unfailed.model, atol=1e-6)

@@ -26,12 +26,19 @@ class LocalCollective:
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         first = tensors[0]
         others = tensors[1:]
-        if len(others) == 1 and abs(weights[0] + weights[1] - 1.0) < 1e-12:
+        # A zero-weight device (an empty shard) is left out rather than
+        # multiplied by zero, so whatever its buffer holds (even inf) cannot
+        # turn the sum into NaN.
+        terms = [(tensor, weight) for tensor, weight in zip(tensors, weights) if weight != 0.0]
+        if len(terms) == 2 and terms[0][0] is first and abs(terms[0][1] + terms[1][1] - 1.0) < 1e-12:
             # w0*a + w1*b == a + w1*(b - a) when the weights sum to one: one fused pass.
-            first.lerp_(others[0].to(first.device, non_blocking=True), weights[1])
+            first.lerp_(terms[1][0].to(first.device, non_blocking=True), terms[1][1])
+        elif not terms:
+            first.zero_()
         else:
-            first.mul_(weights[0])
-            for tensor, weight in zip(others, weights[1:]):
+            (lead, lead_weight), rest = terms[0], terms[1:]
+            torch.mul(lead.to(first.device, non_blocking=True), lead_weight, out=first)
+            for tensor, weight in rest:
                 first.add_(tensor.to(first.device, non_blocking=True), alpha=weight)
         for tensor in others:
             tensor.copy_(first, non_blocking=True)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError, GsyncError, PeerFailed
+from ..errors import ConfigError, GsyncError, PeerFailed, SyncTimeout
 from ..topology import Topology
 from .agreement import agree_on_order, broadcast_module_state, gather_topology, verify_same_parameters
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
@@ -39,14 +39,20 @@ class StepAgreement:
       must skip those everywhere, or replicas diverge);
     - whether any rank skips the step (``on_nonfinite="skip"``);
     - with process-local data, that every rank's batch had the same number
-      of rows (the reduction weights assume it).
+      of rows (the reduction weights assume it);
+    - the step's global mean loss, from every rank's weighted share.
+
+    Folding the loss in here, rather than reducing all losses after the
+    last step, means no rank issues a collective after its last step that a
+    failed peer would never match.
     """
 
-    __slots__ = ("unused", "skip")
+    __slots__ = ("unused", "skip", "loss")
 
-    def __init__(self, unused: tuple[int, ...], skip: bool) -> None:
+    def __init__(self, unused: tuple[int, ...], skip: bool, loss: float) -> None:
         self.unused = unused
         self.skip = skip
+        self.loss = loss
 
 
 class ProcessGroupRuntime:
@@ -109,17 +115,23 @@ class ProcessGroupRuntime:
         return agree_on_order(self.session, order)
 
     def agree_step(
-        self, step: int, num_params: int, locally_unused: Sequence[int], skip: bool, local_rows: int | None
+        self,
+        step: int,
+        num_params: int,
+        locally_unused: Sequence[int],
+        skip: bool,
+        local_rows: int | None,
+        local_loss: float,
     ) -> StepAgreement:
-        """Agree on one step's unused parameters and skip flag (and row counts for local data). Collective.
+        """Agree on one step's unused parameters, skip flag and loss (and row counts for local data). Collective.
 
         :raises ~gsync.ConfigError: when ranks fed process-local batches of different sizes.
         """
-        facts = torch.ones(num_params + 3, dtype=torch.float64)
+        facts = torch.ones(num_params + 4, dtype=torch.float64)
         if locally_unused:
             facts[list(locally_unused)] = 0.0
         rows = 0 if local_rows is None else local_rows
-        facts[num_params:] = torch.tensor([1.0 if skip else 0.0, rows, rows * rows], dtype=torch.float64)
+        facts[num_params:] = torch.tensor([1.0 if skip else 0.0, rows, rows * rows, local_loss], dtype=torch.float64)
         facts = facts.to(self.session.device)
         dist.all_reduce(facts, group=self.session.group)
         facts = facts.cpu()
@@ -133,15 +145,7 @@ class ProcessGroupRuntime:
                     "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
                 )
         unused = tuple(int(p) for p in torch.nonzero(facts[:num_params] == 0).flatten().tolist())
-        return StepAgreement(unused, bool(facts[num_params] > 0))
-
-    def global_losses(self, local: Sequence[float]) -> list[float]:
-        """Each step's global mean loss from every rank's weighted share. Collective."""
-        if not local:
-            return []
-        losses = torch.tensor(list(local), dtype=torch.float64, device=self.session.device)
-        dist.all_reduce(losses, group=self.session.group)
-        return [float(value) for value in losses.cpu().tolist()]
+        return StepAgreement(unused, bool(facts[num_params] > 0), float(facts[num_params + 3]))
 
     def watch(self, callback: Callable[[FailureReport], object]) -> None:
         self.board.start_watching(callback)
@@ -152,7 +156,13 @@ class ProcessGroupRuntime:
             self.board.report(failure_report(self.session.rank, error))
 
     def blame_peer(self, error: GsyncError) -> GsyncError:
-        """For a failed or stalled collective, the peer's failure that caused it, if one was reported."""
+        """For a failed or stalled collective, the peer's failure that caused it, if one was reported.
+
+        A timeout that names a stalled local device is this rank's own
+        diagnosis and is kept as it is.
+        """
+        if isinstance(error, SyncTimeout) and (error.missing or error.stalled_devices):
+            return error
         report = self.board.peer_report(_PEER_REPORT_GRACE_S)
         if report is None:
             return error

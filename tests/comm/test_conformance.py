@@ -66,7 +66,11 @@ def test_broadcast_from_first_device(make: Callable[[int], gsync.Collective], nu
 
 
 def test_zero_weight_devices_contribute_nothing(make: Callable[[int], gsync.Collective]) -> None:
-    tensors = [torch.ones(4), torch.full((4,), 1e30), torch.full((4,), 3.0)]
+    tensors = [torch.ones(4), torch.full((4,), float("inf")), torch.full((4,), 3.0)]
     make(3).all_reduce(tensors, [0.5, 0.0, 0.5])
     for tensor in tensors:
         torch.testing.assert_close(tensor, torch.full((4,), 2.0))
+    leading_zero = [torch.full((4,), float("nan")), torch.full((4,), 5.0)]
+    make(2).all_reduce(leading_zero, [0.0, 1.0])
+    for tensor in leading_zero:
+        torch.testing.assert_close(tensor, torch.full((4,), 5.0))
