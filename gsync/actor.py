@@ -31,7 +31,6 @@ from .batches import move_batch
 from .buckets import BucketPlan, Readiness, ReplicaGrads
 from .devices import DeviceSpec
 from .errors import (
-    ConfigError,
     GsyncError,
     InputTypeError,
     NonFiniteLoss,
@@ -152,11 +151,7 @@ class DeviceActor:
             if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
-            if param.grad is not self.grads.views[position]:
-                raise ConfigError(
-                    f"the .grad of parameter {context.plan.names[position]!r} on {self.spec.name} was replaced "
-                    "during backward; gsync keeps gradients in its bucket buffers, so modify grads in place"
-                )
+            self.grads.take(position)
             if bucket is not None:
                 context.streams.mark_ready(self.index, bucket)
                 context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
@@ -191,7 +186,6 @@ class DeviceActor:
             data = move_batch(shard.data, self.spec.torch_device)
         if self.plan is not self._context.plan:
             self._adopt_plan()
-        self.grads.zero_()
         self.readiness.reset()
         if shard.rows == 0:
             # An empty shard has nothing to learn from: it posts every bucket
@@ -213,6 +207,7 @@ class DeviceActor:
             self._post_unfinished(skip=True)
             return
         with self._enter("backward"):
+            self.grads.release()
             loss.backward()
         self._post_unfinished()
 
@@ -233,6 +228,7 @@ class DeviceActor:
 
     def _post_unfinished(self, skip: bool = False) -> None:
         for bucket, unused in self.readiness.unfinished():
+            self.grads.fill_missing(unused)
             self._context.streams.mark_ready(self.index, bucket)
             self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
 

@@ -110,7 +110,15 @@ class BucketPlan:
 
 
 class ReplicaGrads:
-    """One replica's bucket buffers, with its parameters' ``.grad`` set to views into them."""
+    """One replica's bucket buffers, and its parameters' ``.grad`` as views into them.
+
+    During backward the parameters' ``.grad`` is ``None``: autograd then
+    hands each gradient over as a fresh tensor without copying it, and the
+    readiness hook copies it into the bucket once (:meth:`take`). Zeroing the
+    buckets first and letting autograd add into them would cost two more
+    passes over every gradient per step. After backward every ``.grad`` is a
+    view again, for the reduction and the optimizer.
+    """
 
     def __init__(self, plan: BucketPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.flats = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in plan.buckets]
@@ -126,9 +134,28 @@ class ReplicaGrads:
         for param, view in zip(self.params, self.views):
             param.grad = view
 
+    def release(self) -> None:
+        """Before backward: let autograd deliver fresh gradients (see the class docstring)."""
+        for param in self.params:
+            param.grad = None
+
+    def take(self, position: int) -> None:
+        """Copy the gradient autograd just delivered into the bucket, and make ``.grad`` the view again."""
+        param = self.params[position]
+        view = self.views[position]
+        view.copy_(param.grad)  # type: ignore[arg-type]
+        param.grad = view
+
+    def fill_missing(self, positions: Sequence[int]) -> None:
+        """Zeros for parameters that got no gradient this step (their slots still hold the last step's)."""
+        for position in positions:
+            self.views[position].zero_()
+            self.params[position].grad = self.views[position]
+
     def zero_(self) -> None:
         for flat in self.flats:
             flat.zero_()
+        self.attach()
 
 
 class Readiness:

@@ -30,7 +30,9 @@ class LocalCollective:
         # multiplied by zero, so whatever its buffer holds (even inf) cannot
         # turn the sum into NaN.
         terms = [(tensor, weight) for tensor, weight in zip(tensors, weights) if weight != 0.0]
-        if len(terms) == 2 and terms[0][0] is first and abs(terms[0][1] + terms[1][1] - 1.0) < 1e-12:
+        if len(terms) == 1 and terms[0][0] is first and terms[0][1] == 1.0:
+            pass  # one device with all the rows: the sum is already in place
+        elif len(terms) == 2 and terms[0][0] is first and abs(terms[0][1] + terms[1][1] - 1.0) < 1e-12:
             # w0*a + w1*b == a + w1*(b - a) when the weights sum to one: one fused pass.
             first.lerp_(terms[1][0].to(first.device, non_blocking=True), terms[1][1])
         elif not terms:

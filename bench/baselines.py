@@ -1,0 +1,266 @@
+"""Baselines without gsync: one plain process, the 2-replica compute floor, torch DDP (gloo)
+and, for the control-plane benchmark, two replicas trained sequentially in one thread.
+
+Each function runs inside a fresh worker process (see ``isolate.py``) and
+returns a JSON-able dict; step times are wall-clock per optimizer step,
+measured after ``warmup`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .common import Window, os_threads, summarize_ms
+from .workloads import (
+    loss_fn,
+    make_batches,
+    make_mlp,
+    make_tiny,
+    make_tiny_batches,
+    sgd,
+    shard,
+    tiny_loss,
+)
+
+
+def plain(steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]:
+    """(a) One process, a plain PyTorch loop over the whole global batch."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = make_mlp()
+    optimizer = sgd(model.parameters())
+    batches = make_batches(warmup + steps)
+    times: list[float] = []
+    window = None
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            window = Window()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        loss = loss_fn(model, batch)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    assert window is not None
+    win = window.stop()
+    return {
+        "step": summarize_ms(times),
+        "window": win,
+        "cpu_ms_per_step": win["own_cpu_s"] * 1e3 / steps,
+        "faults_per_step": win["minor_faults"] / steps,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _bucket_views(params: list[torch.nn.Parameter], copy_in_hook: bool) -> torch.Tensor:
+    """Give ``params`` gradients that are views into one flat buffer, as gsync's buckets do.
+
+    ``copy_in_hook``: instead of accumulating into the views, leave ``.grad`` unset before
+    backward and copy each fresh gradient into its view in a post-accumulate hook
+    (DDP's ``gradient_as_bucket_view`` way).
+    """
+    flat = torch.zeros(sum(p.numel() for p in params))
+    views, offset = [], 0
+    for param in params:
+        views.append(flat[offset : offset + param.numel()].view_as(param))
+        offset += param.numel()
+        param.grad = views[-1]
+    if copy_in_hook:
+        for param, view in zip(params, views):
+
+            def hook(p: torch.Tensor, view: torch.Tensor = view) -> None:
+                view.copy_(p.grad)
+                p.grad = view
+
+            param.register_post_accumulate_grad_hook(hook)
+    return flat
+
+
+def floor(steps: int, warmup: int, threads_per_replica: int | None = 1, replicas: int = 2,
+          workload: str = "ref", grads: str = "fresh") -> dict[str, Any]:
+    """(b) The compute floor: ``replicas`` plain Python threads, each training its own replica
+    on its shard of each global batch, with no gradient synchronization at all.
+
+    A barrier per step only delimits steps. ``threads_per_replica`` is applied with
+    ``torch.set_num_threads`` inside each thread (None: inherit the process default).
+    Phases are timed per thread so gsync's phases can be compared with them.
+    ``workload``: "ref" (the reference MLP) or "tiny" (the control-plane model).
+
+    ``grads`` (an ablation of gsync's gradient handling, still without any sync):
+    "fresh": ``zero_grad()`` (set to None), autograd hands each fresh gradient over, as in
+    plain PyTorch; "bucket_zero": ``.grad`` are persistent views into one flat buffer,
+    zeroed every step and accumulated into in place, as gsync does; "bucket_copy": views
+    filled by a copy in a post-accumulate hook.
+    """
+    if grads not in ("fresh", "bucket_zero", "bucket_copy"):
+        raise ValueError(f"unknown grads mode {grads!r}")
+    if workload == "tiny":
+        model, batches, loss = make_tiny(), make_tiny_batches(warmup + steps), tiny_loss
+    else:
+        model, batches, loss = make_mlp(), make_batches(warmup + steps), loss_fn
+    barrier = threading.Barrier(replicas)
+    releases: list[float] = []
+    phases: list[dict[str, list[float]]] = [
+        {"zero_grad": [], "forward": [], "backward": [], "optimizer": []} for _ in range(replicas)
+    ]
+    seen_threads: list[int] = [0] * replicas
+    errors: list[BaseException] = []
+    window: list[Window] = []
+
+    def train(index: int) -> None:
+        try:
+            if threads_per_replica is not None:
+                torch.set_num_threads(threads_per_replica)
+            replica = copy.deepcopy(model)
+            optimizer = sgd(replica.parameters())
+            params = list(replica.parameters())
+            flat = _bucket_views(params, grads == "bucket_copy") if grads != "fresh" else None
+            seen_threads[index] = torch.get_num_threads()
+            for i, batch in enumerate(batches):
+                barrier.wait()
+                if index == 0:
+                    if i == warmup:
+                        window.append(Window())
+                    releases.append(time.perf_counter())
+                part = shard(batch, replicas, index)
+                tz = time.perf_counter()
+                if grads == "fresh":
+                    optimizer.zero_grad()
+                elif grads == "bucket_zero":
+                    flat.zero_()  # type: ignore[union-attr]
+                else:
+                    for param in params:
+                        param.grad = None
+                t0 = time.perf_counter()
+                value = loss(replica, part)
+                t1 = time.perf_counter()
+                value.backward()
+                t2 = time.perf_counter()
+                optimizer.step()
+                value.item()
+                t3 = time.perf_counter()
+                if i >= warmup:
+                    phases[index]["zero_grad"].append(t0 - tz)
+                    phases[index]["forward"].append(t1 - t0)
+                    phases[index]["backward"].append(t2 - t1)
+                    phases[index]["optimizer"].append(t3 - t2)
+            barrier.wait()
+            if index == 0:
+                releases.append(time.perf_counter())
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+            barrier.abort()
+
+    workers = [threading.Thread(target=train, args=(i,), name=f"floor-{i}") for i in range(replicas)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    win = window[0].stop()
+    times = [b - a for a, b in zip(releases[warmup:], releases[warmup + 1 :])]
+    phase_us = {
+        name: sum(sum(p[name]) for p in phases) / sum(len(p[name]) for p in phases) * 1e6 for name in phases[0]
+    }
+    return {
+        "step": summarize_ms(times),
+        "window": win,
+        "cpu_ms_per_step": win["own_cpu_s"] * 1e3 / steps,
+        "faults_per_step": win["minor_faults"] / steps,
+        "torch_threads_in_workers": seen_threads,
+        "os_threads": os_threads(),
+        "phase_mean_us": phase_us,
+        "grads": grads,
+    }
+
+
+def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, threads: int = 1) -> dict[str, Any]:
+    """(d) One rank of torch DDP over gloo; each rank trains on its shard of each global batch."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        model = DistributedDataParallel(make_mlp())
+        optimizer = sgd(model.parameters())
+        batches = [shard(b, world_size, rank) for b in make_batches(warmup + steps)]
+        dist.barrier()
+        times: list[float] = []
+        window = None
+        for i, batch in enumerate(batches):
+            if i == warmup:
+                window = Window()
+            start = time.perf_counter()
+            optimizer.zero_grad()
+            loss = loss_fn(model, batch)
+            loss.backward()
+            optimizer.step()
+            loss.item()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        assert window is not None
+        win = window.stop()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "step": summarize_ms(times),
+        "window": win,
+        "cpu_ms_per_step": win["own_cpu_s"] * 1e3 / steps,
+        "faults_per_step": win["minor_faults"] / steps,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def sequential_pair(steps: int, warmup: int, repeats: int = 1) -> dict[str, Any]:
+    """Control-plane baseline: the work of a 2-device gsync step done by hand in one thread.
+
+    Two replicas of the tiny model, forward/backward each on its half, gradients
+    averaged by hand (foreach ops), both optimizers stepped, both losses read.
+    """
+    model = make_tiny()
+    replicas = [copy.deepcopy(model), copy.deepcopy(model)]
+    optimizers = [sgd(r.parameters()) for r in replicas]
+    batches = make_tiny_batches(warmup + steps)
+    params = [list(r.parameters()) for r in replicas]
+    per_step: list[float] = []
+    window = Window()
+    for _ in range(repeats):
+        start = 0.0
+        for i, batch in enumerate(batches):
+            if i == warmup:
+                start = time.perf_counter()
+            for index, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
+                optimizer.zero_grad()
+                loss = tiny_loss(replica, shard(batch, 2, index))
+                loss.backward()
+                loss.item()
+            grads0 = [p.grad for p in params[0]]
+            grads1 = [p.grad for p in params[1]]
+            torch._foreach_add_(grads0, grads1)
+            torch._foreach_mul_(grads0, 0.5)
+            torch._foreach_copy_(grads1, grads0)
+            for optimizer in optimizers:
+                optimizer.step()
+        per_step.append((time.perf_counter() - start) / steps)
+    win = window.stop()
+    per_step.sort()
+    return {"window": win, "us_per_step": per_step[len(per_step) // 2] * 1e6, "all_us_per_step": [s * 1e6 for s in per_step],
+            "params": len(params[0])}

@@ -1,0 +1,269 @@
+"""Printing the tables, computing the ratios, drawing the optional PNG."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import noisy_mark
+
+TARGETS = {"gsync / floor": 1.10, "gsync / DDP": 0.60}
+
+
+def _fmt(value: float | None, spec: str = ".1f", missing: str = "-") -> str:
+    if value is None or value != value:  # None or NaN
+        return missing
+    return format(value, spec)
+
+
+def print_header(results: dict[str, Any]) -> None:
+    env = results["env"]
+    print(f"gsync benchmark ({results['mode']} mode): torch {env.get('torch')}, {env.get('cpus')} CPUs, "
+          f"torch default threads {env.get('torch_default_threads')}, python {env['python']}")
+    dirty = env["gsync_dirty_files"]
+    print(f"git {env['git_commit'][:12]}{' + uncommitted changes in ' + ', '.join(dirty) if dirty else ''}; "
+          f"load average at start {_fmt(env['loadavg_start'][0], '.2f') if env['loadavg_start'] else '-'}")
+    print("'other load' = cores used by processes outside the measurement during its timed window "
+          "(should be ~0; more means noisy numbers)")
+    if env.get("child_env"):
+        print(f"measurement processes run with {env['child_env']}")
+
+
+def _floor(configs: dict[str, Any]) -> tuple[str, float] | None:
+    floors = [(k, configs[k]["median_ms"]) for k in ("floor_t1", "floor_inherit") if k in configs]
+    return min(floors, key=lambda kv: kv[1]) if floors else None
+
+
+def step_ratios(configs: dict[str, Any]) -> dict[str, float]:
+    ratios: dict[str, float] = {}
+    floor = _floor(configs)
+    for key, name in (("gsync", "gsync"), ("gsync_t1", "gsync(threads=1)")):
+        if key not in configs:
+            continue
+        ms = configs[key]["median_ms"]
+        if floor:
+            ratios[f"{name} / floor"] = ms / floor[1]
+        if "ddp" in configs:
+            ratios[f"{name} / DDP"] = ms / configs["ddp"]["median_ms"]
+        if "plain" in configs:
+            ratios[f"{name} / one process"] = ms / configs["plain"]["median_ms"]
+    if "ddp" in configs and "plain" in configs:
+        ratios["DDP / one process"] = configs["ddp"]["median_ms"] / configs["plain"]["median_ms"]
+    if floor and "plain" in configs:
+        ratios["floor / one process"] = floor[1] / configs["plain"]["median_ms"]
+    return ratios
+
+
+def print_step(step: dict[str, Any]) -> None:
+    configs = step["configs"]
+    print(f"\n== 1. step time: MLP 784-2048-2048-2048-10 (10.0M params), global batch 256, SGD momentum "
+          f"({step['steps']} measured steps after {step['warmup']} warm-up, {step['repeats']} interleaved repeat(s)) ==")
+    print(f"{'configuration':40} {'ms/step':>8} {'repeats (ms)':>22} {'CPU ms/step':>11} {'faults/step':>11} "
+          f"{'other load':>10}")
+    for key, c in configs.items():
+        repeats = " ".join(f"{m:.1f}" for m in c["repeat_medians_ms"])
+        flag = "*" if c["noisy"] else " "
+        print(f"{c['label']:40} {c['median_ms']:7.1f}{flag} {repeats:>22} {_fmt(c['cpu_ms_per_step'], '11.0f')} "
+              f"{_fmt(c['faults_per_step'], '11.0f')} {_fmt(c['other_load_cores'], '.2f'):>10}")
+    print("(ms/step, CPU, faults, other load: median over the repeats that other processes did not disturb;\n"
+          " * = every repeat was disturbed, numbers are unreliable. CPU ms and page faults are per step, all threads"
+          " and processes of the configuration)")
+    floor = _floor(configs)
+    if floor:
+        print(f"(floor = the faster floor row: {configs[floor[0]]['label']})")
+    print("\nratio                                  value   target")
+    for name, value in step["ratios"].items():
+        target = TARGETS.get(name.replace("(threads=1)", ""))
+        verdict = "" if target is None else f"<= {target:.2f}  {'met' if value <= target else 'MISSED'}"
+        print(f"  {name:34} {value:6.3f}   {verdict}")
+    for key in ("gsync", "gsync_t1"):
+        if key in configs:
+            print_trace_analysis(configs[key]["label"], configs[key]["representative"], configs.get("floor_t1"))
+
+
+def print_trace_analysis(label: str, run: dict[str, Any], floor: dict[str, Any] | None) -> None:
+    stats = run["stats"]
+    print(f"\n  trace of {label} (median repeat, {run['measured_steps']} steps): "
+          f"{stats['buckets']} buckets {stats['bucket_sizes_mib']} MiB, "
+          f"{stats['bucket_ready_messages_per_step']:.0f} BucketReady messages/step; "
+          f"torch threads seen: workers {run['torch_threads_seen']['workers']}, comm {run['torch_threads_seen']['comm']}")
+    floor_phases = floor["representative"]["phase_mean_us"] if floor else {}
+    print(f"  {'phase':18} {'mean us':>9} {'per step':>6} {'total us/step':>13} {'floor(1 thr) mean us':>21}")
+    for name, p in run["phases"].items():
+        print(f"  {name:18} {p['mean_us']:9.0f} {p['count_per_step']:6.1f} {p['total_per_step_us']:13.0f} "
+              f"{_fmt(floor_phases.get(name), '.0f'):>21}")
+    o = run["overlap"]
+    print(f"  all_reduce hidden behind backward: median {o['median_fraction']:.0%} per step "
+          f"(mean {o['mean_fraction']:.0%}, pooled {o['pooled_fraction']:.0%})")
+    cp = run["critical_path_us"]
+    print("  critical path per step (us): " + ", ".join(f"{k} {v:.0f}" for k, v in cp.items()))
+    print(f"  wall/steps of the whole timed fit incl. replica setup & teardown: {run['wall_ms_per_step_incl_fit_setup']:.1f} ms")
+
+
+def print_memory(memory: dict[str, Any]) -> None:
+    print("\n== 3. peak RSS (VmHWM), each configuration in its own fresh process ==")
+    idle = memory.get("idle", {}).get("peak_rss_mib")
+    procs = {"ddp": 2}
+    print(f"{'configuration':40} {'processes':>9} {'peak RSS MiB':>12} {'above idle':>10}")
+    for key, m in memory.items():
+        n = procs.get(key, 1)
+        above = None if idle is None else m["peak_rss_mib"] - n * idle
+        print(f"{m['label']:40} {n:9d} {m['peak_rss_mib']:12.0f} {_fmt(above, '.0f'):>10}")
+    print("(DDP: sum over both ranks; 'above idle' subtracts one idle python+torch process per process)")
+
+
+def print_control(control: dict[str, Any]) -> None:
+    seq, default, per_param = control["sequential"], control["gsync_default_buckets"], control["gsync_per_param_buckets"]
+    threads = control.get("threads_no_sync")
+    print("\n== 2. control-plane cost: 100 x Linear(8,8) (200 parameter tensors), batch 16 ==")
+    if seq is None:
+        print("  (sequential baseline failed)")
+        return
+    print(f"  2 replicas sequentially in one thread (fwd/bwd each, grads averaged by hand, 2 optimizer steps): "
+          f"{seq['us_per_step']:.0f} us/step (other load {_fmt(seq.get('other_load_cores'), '.2f')})")
+    if threads is not None:
+        floor_us = threads["step"]["median_ms"] * 1e3
+        print(f"  2 threads, one replica each, no sync at all (floor; barrier per step):         "
+              f"{floor_us:.0f} us/step (other load {_fmt(threads.get('other_load_cores'), '.2f')})")
+    print(f"  {'gsync 2 x cpu':28} {'us/step':>8} {'minus sequential':>16} {'minus floor':>11} {'loop CPU us':>11} "
+          f"{'msgs/step':>9} {'dev x buckets':>13} {'fixed ms/fit':>12} {'other load':>10}")
+    rows = []
+    for name, r in (("default buckets", default), ("one bucket per parameter", per_param)):
+        if r is None:
+            continue
+        extra = r["us_per_step"] - seq["us_per_step"]
+        rows.append((r, extra))
+        over_floor = r["us_per_step"] - threads["step"]["median_ms"] * 1e3 if threads is not None else None
+        print(f"  {name:28} {r['us_per_step']:7.0f}{noisy_mark(r)} {extra:16.0f} {_fmt(over_floor, '.0f'):>11} "
+              f"{_fmt(r.get('loop_cpu_us_per_step'), '.0f'):>11} {r['messages_per_step']:9.0f} "
+              f"{r['devices']} x {r['buckets']:<9} {r['fixed_ms_per_fit']:12.1f} {_fmt(r.get('other_load_cores'), '.2f'):>10}")
+    if len(rows) == 2 and rows[1][0]["buckets"] != rows[0][0]["buckets"]:
+        (a, ea), (b, eb) = rows
+        per_bucket = (eb - ea) / (b["buckets"] - a["buckets"])
+        print(f"  => each extra bucket costs ~{per_bucket:.0f} us/step "
+              f"({per_bucket / a['devices']:.0f} us per BucketReady message, incl. its share of the reduction launch)")
+    print("  (loop CPU = CPU time of the event-loop thread per step; in one process it holds the GIL the device\n"
+          "   threads need, so it adds to the step time almost one for one)")
+
+
+def print_sweeps(sweeps: dict[str, Any]) -> None:
+    print("\n== 4a. gsync step time vs bucket_cap_mb (2 devices, reference MLP) ==")
+    print(f"  {'cap MiB':>7} {'buckets':>7} {'ms/step':>8} {'all_reduce us/step':>18} {'hidden':>6} "
+          f"{'exposed reduce us':>17} {'other load':>10}")
+    for cap, r in sweeps["bucket_cap_mb"].items():
+        ar = r["phases"].get("all_reduce", {}).get("total_per_step_us")
+        print(f"  {float(cap):7g} {r['stats']['buckets']:7d} {r['step']['median_ms']:7.1f}{noisy_mark(r)} {_fmt(ar, '.0f'):>18} "
+              f"{_fmt(r['overlap']['median_fraction'], '.0%'):>6} {r['critical_path_us'].get('exposed_reduce', 0):17.0f} "
+              f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
+    print("\n== 4b. gsync step time vs device count (global batch 256 split across devices) ==")
+    base = sweeps["devices"].get("1", {}).get("step", {}).get("median_ms")
+    print(f"  {'devices':>7} {'ms/step':>8} {'vs 1 dev':>8} {'CPU ms/step':>11} {'all_reduce us/step':>18} "
+          f"{'slowest dev fwd+bwd+opt us':>26} {'OS threads':>10} {'other load':>10}")
+    for count, r in sweeps["devices"].items():
+        ar = r["phases"].get("all_reduce", {}).get("total_per_step_us")
+        compute = r["critical_path_us"].get("compute")
+        ratio = r["step"]["median_ms"] / base if base else None
+        print(f"  {count:>7} {r['step']['median_ms']:7.1f}{noisy_mark(r)} {_fmt(ratio, '.2f'):>8} {_fmt(r['cpu_ms_per_step'], '.0f'):>11} "
+              f"{_fmt(ar, '.0f'):>18} {_fmt(compute, '.0f'):>26} {r['max_os_threads']:>10} "
+              f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
+
+
+def print_threads(threads: dict[str, Any]) -> None:
+    print("\n== 4c. torch intra-op threads inside gsync (2 devices, reference MLP) ==")
+    labels = {
+        "default": "default (nothing set)",
+        "main_set_1": "torch.set_num_threads(1) in main",
+        "main_set_2": "torch.set_num_threads(2) in main",
+        "in_thread_set_1": "set_num_threads(1) inside loss_fn",
+    }
+    print(f"  {'setting':36} {'ms/step':>8} {'workers see':>11} {'comm sees':>9} {'main sees':>9} {'OS thr':>6} "
+          f"{'fwd us':>7} {'bwd us':>7} {'opt us':>7} {'reduce us':>9} {'other load':>10}")
+    best = worst = None
+    for key, r in threads.items():
+        seen = r["torch_threads_seen"]
+        workers = ",".join(str(v) for v in seen["workers"].values())
+        comm = ",".join(str(v) for v in seen["comm"].values())
+        ph = r["phases"]
+        print(f"  {labels.get(key, key):36} {r['step']['median_ms']:7.1f}{noisy_mark(r)} {workers:>11} {comm:>9} {seen['main']:>9} "
+              f"{r['max_os_threads']:>6} {ph['forward']['mean_us']:7.0f} {ph['backward']['mean_us']:7.0f} "
+              f"{ph['optimizer']['mean_us']:7.0f} {ph.get('all_reduce', {}).get('total_per_step_us', 0):9.0f} "
+              f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
+        if noisy_mark(r) == "*":
+            continue  # disturbed by other load: not compared
+        if best is None or r["step"]["median_ms"] < best[1]:
+            best = (labels.get(key, key), r["step"]["median_ms"])
+        if worst is None or r["step"]["median_ms"] > worst[1]:
+            worst = (labels.get(key, key), r["step"]["median_ms"])
+    noise = 0.03
+    if "default" in threads and "main_set_2" in threads:
+        # The same setting measured twice: their difference is this run's noise.
+        a, b = threads["default"]["step"]["median_ms"], threads["main_set_2"]["step"]["median_ms"]
+        noise = max(noise, abs(a - b) / min(a, b))
+        print(f"  ('default' and 'set_num_threads(2) in main' are the same setting: {abs(a - b) / min(a, b):.1%} apart = noise)")
+    if best and worst:
+        spread = worst[1] / best[1] - 1
+        verdict = (f"within noise ({noise:.0%}): no setting is measurably faster" if spread <= noise
+                   else f"{spread:.0%} apart (noise {noise:.0%})")
+        print(f"  fastest: {best[0]} ({best[1]:.1f} ms/step); slowest: {worst[0]} ({worst[1]:.1f}); {verdict}")
+    print("  (torch.set_num_threads stores a process-wide value that each thread applies when it first runs a\n"
+          "   parallel op, and also sets the calling thread's own OpenMP count: set in main before fit, gsync's\n"
+          "   fresh worker/comm threads inherit it; set inside a worker, it changes that worker at once)")
+
+
+def print_ablation(ablation: dict[str, Any]) -> None:
+    print("\n== 5. ablation: the 2-replica floor (2 threads x 1 torch thread, NO sync) with gsync's gradient handling ==")
+    base = ablation.get("fresh", {}).get("median_ms")
+    print(f"  {'gradients':48} {'ms/step':>8} {'repeats (ms)':>17} {'vs plain':>8} {'zero us':>7} {'fwd us':>7} "
+          f"{'bwd us':>7} {'opt us':>7} {'faults/step':>11} {'other load':>10}")
+    for key, a in ablation.items():
+        ph = a["phase_mean_us"]
+        delta = a["median_ms"] - base if base else None
+        repeats = " ".join(f"{m:.1f}" for m in a.get("repeat_medians_ms", []))
+        print(f"  {a['label']:48} {a['median_ms']:7.1f}{noisy_mark(a)} {repeats:>17} {_fmt(delta, '+.1f'):>8} "
+              f"{ph['zero_grad']:7.0f} {ph['forward']:7.0f} {ph['backward']:7.0f} {ph['optimizer']:7.0f} "
+              f"{_fmt(a.get('faults_per_step'), '.0f'):>11} {_fmt(a['other_load_cores'], '.2f'):>10}")
+    print("  (the difference between the first two rows is what gsync pays for keeping .grad as bucket views that\n"
+          "   are zeroed every step and accumulated into, before any reduction)")
+
+
+def plot(sweeps: dict[str, Any], path: str, step: dict[str, Any] | None = None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping the plot (pip install matplotlib, or the bench extra)")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    caps = sorted(sweeps["bucket_cap_mb"].items(), key=lambda kv: float(kv[0]))
+    if caps:
+        left.plot([float(c) for c, _ in caps], [r["step"]["median_ms"] for _, r in caps], marker="o")
+        left.set_xscale("log")
+    left.set(xlabel="bucket_cap_mb", ylabel="ms / step (median)", title="gsync, 2 CPU devices")
+    devices = sorted(sweeps["devices"].items(), key=lambda kv: int(kv[0]))
+    if devices:
+        right.plot([int(c) for c, _ in devices], [r["step"]["median_ms"] for _, r in devices], marker="o")
+        right.set_xticks([int(c) for c, _ in devices])
+    right.set(xlabel="CPU devices", ylabel="ms / step (median)", title="gsync, global batch 256")
+    references = []
+    if step is not None:
+        configs = step["configs"]
+        floor = _floor(configs)
+        if "plain" in configs:
+            references.append((configs["plain"]["median_ms"], "one process", "tab:green"))
+        if floor:
+            references.append((floor[1], "2-replica floor", "tab:gray"))
+        if "ddp" in configs:
+            references.append((configs["ddp"]["median_ms"], "DDP gloo x2", "tab:red"))
+    for axis in (left, right):
+        for value, label, color in references:
+            axis.axhline(value, linestyle="--", color=color, linewidth=1, label=label)
+        if references:
+            axis.legend(fontsize=8, loc="lower right")
+        axis.grid(alpha=0.3)
+        axis.set_ylim(bottom=0)
+    fig.suptitle("MLP 784-2048-2048-2048-10, SGD momentum")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"plot: {path}")
