@@ -27,12 +27,13 @@ from bench.common import peak_rss_mib, quiet_warnings  # noqa: E402
 
 
 def _tasks() -> dict[str, Callable[..., Any]]:
-    from bench import baselines, measure_gsync
+    from bench import baselines, measure_gsync, multiprocess
 
     return {
         "plain": baselines.plain,
         "floor": baselines.floor,
         "ddp_rank": baselines.ddp_rank,
+        "gsync_rank": multiprocess.gsync_rank,
         "sequential_pair": baselines.sequential_pair,
         "gsync": measure_gsync.gsync_steps,
         "gsync_control_plane": measure_gsync.gsync_control_plane,
