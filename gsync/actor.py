@@ -175,7 +175,7 @@ class DeviceActor:
         return context.trace.span(site, self.step, self.index)
 
     def _adopt_plan(self) -> None:
-        """Switch to a rebuilt bucket plan, between steps (gradients are zeroed each step anyway)."""
+        """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
         self.plan = self._context.plan
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device)
         self.readiness = Readiness(self.plan)
@@ -202,8 +202,8 @@ class DeviceActor:
         if not math.isfinite(value):
             if self._context.on_nonfinite == "raise":
                 raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
-            # Skipping: no backward, so the bucket holds zeros; the server sees
-            # the flag and tells every device to skip this step's update.
+            # Skipping: no backward, so the buckets are zero-filled; the server
+            # sees the flag and tells every device to skip this step's update.
             self._post_unfinished(skip=True)
             return
         with self._enter("backward"):
@@ -233,7 +233,7 @@ class DeviceActor:
             self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
 
     def _skip(self, step: int) -> None:
-        # The step is left out, but the next step zeroes the buckets, which
+        # The step is left out, but the next step writes the buckets, which
         # must still wait for this step's reductions.
         self._context.streams.before_apply(self.index)
         # Left out everywhere, so the replica is as consistent after it as before.

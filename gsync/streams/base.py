@@ -31,7 +31,7 @@ The contract, per device and per step (a *round*):
    broadcast, when there is one (every bucket reduced, before ``StepSynced``).
 4. ``before_apply(device)`` in the device's worker thread after ``StepSynced``
    and before the device touches its buckets or parameters again: before
-   ``optimizer.step``, and on a skipped step too (the next step zeroes the
+   ``optimizer.step``, and on a skipped step too (the next step writes the
    buckets, which must wait for the reduction as much as the optimizer does).
 
 A device's round ends with its ``before_apply``, so rounds are tracked per
