@@ -55,6 +55,19 @@ class TiedNet(nn.Module):
         return self.head(h)
 
 
+class Normed(nn.Module):
+    """Parameters and BatchNorm buffers: buffers must be broadcast, and checkpoints must get both right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(12, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
 def make_batches(steps: int, rows: int, d_in: int = 12, classes: int = 5, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [

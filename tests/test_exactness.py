@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from conftest import Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
 
@@ -91,17 +91,6 @@ async def test_adam_losses_match() -> None:
     _, expected_losses = train_reference(model, batches, optimizer=adam)
     result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, batches, optimizer=adam, loss_fn=classification_loss)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=1e-4, rtol=0)
-
-
-class Normed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.norm = nn.BatchNorm1d(16)
-        self.out = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 async def test_buffers_broadcast_from_first_device_each_step() -> None:

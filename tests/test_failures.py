@@ -17,6 +17,7 @@ from torch import nn
 import gsync
 import gsync.testing
 from conftest import (
+    Normed,
     TiedNet,
     assert_no_tasks_left,
     assert_same_state,
@@ -30,19 +31,6 @@ from conftest import (
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 STEPS = 5
-
-
-class Normed(nn.Module):
-    """Parameters and BatchNorm buffers, so checkpoints must get both right."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(12, 16)
-        self.norm = nn.BatchNorm1d(16)
-        self.out = nn.Linear(16, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 def fit_args(steps: int = STEPS) -> dict[str, Any]:
