@@ -63,6 +63,7 @@ class Feeder:
         self.worker: WorkerThread | None = None
         self.steps_dispatched = 0
         self.deferred_error: GsyncError | None = None
+        self._held: tuple[int, Any] | None = None
 
     async def run(self) -> None:
         """Dispatch every batch of every epoch, then post ``Close`` to the server.
@@ -78,13 +79,28 @@ class Feeder:
         With ``first_step`` > 0 (resuming), the first ``first_step`` batches
         are read and dropped, so ``data`` must yield the same batches in the
         same order as in the run being resumed.
+
+        Each batch is dispatched once the next one has been read (or the
+        data has ended), so the last step is known as the last: across
+        processes, ranks check that they all end at the same step.
         """
         try:
-            await self._feed()
-        except (ConfigError, InputTypeError, DataFailed) as error:
-            if self.steps_dispatched == 0:
-                raise
-            self.deferred_error = error
+            error: GsyncError | None = None
+            try:
+                await self._feed()
+            except (ConfigError, InputTypeError, DataFailed) as failure:
+                error = failure
+            if self._held is not None:
+                step, batch = self._held
+                self._held = None
+                try:
+                    await self._dispatch(step, batch, last=True)
+                except (ConfigError, InputTypeError) as failure:
+                    error = failure  # the earlier step's problem comes first
+            if error is not None:
+                if self.steps_dispatched == 0:
+                    raise error
+                self.deferred_error = error
         finally:
             for stream in self._streams:
                 stream.close()
@@ -101,7 +117,13 @@ class Feeder:
                     # Resuming replays the data and skips the batches the
                     # checkpoint already includes.
                     if step >= self._first_step:
-                        await self._dispatch(step, batch)
+                        held, self._held = self._held, (step, batch)
+                        if held is not None:
+                            try:
+                                await self._dispatch(*held, last=False)
+                            except BaseException:
+                                self._held = None  # nothing after a bad batch is dispatched
+                                raise
                     step += 1
                     batches += 1
             if batches == 0:
@@ -110,7 +132,7 @@ class Feeder:
                     else f"data yielded no batch in epoch {epoch}: pass a re-iterable (a list or a DataLoader), not a one-shot iterator"
                 )
 
-    async def _dispatch(self, step: int, batch: Any) -> None:
+    async def _dispatch(self, step: int, batch: Any, last: bool) -> None:
         rows = batch_rows(batch, step)
         topology = self._topology
         if self._process_local:
@@ -122,7 +144,7 @@ class Feeder:
             counts = shard_rows(rows, topology.world_devices)[topology.local_slice]
             shards = split_batch(batch, topology.world_devices)[topology.local_slice]
             total_rows = rows
-        self._server.post(StepDispatched(step, tuple(counts), total_rows))
+        self._server.post(StepDispatched(step, tuple(counts), total_rows, last))
         self.steps_dispatched += 1
         for stream, shard, count in zip(self._streams, shards, counts):
             await stream.send(Shard(step, count, total_rows, shard))

@@ -207,10 +207,12 @@ class FitRun:
         if runtime is not None:
             group_runtime = runtime
 
-            def finish(step: int, unused: tuple[int, ...], skip: bool, rows: int | None) -> tuple[tuple[int, ...], bool]:
+            def finish(
+                step: int, unused: tuple[int, ...], skip: bool, rows: int | None, last: bool
+            ) -> tuple[tuple[int, ...], bool]:
                 local_rows = rows if self.process_local_data else None
                 local_loss = sum(actor.losses.get(step, 0.0) for actor in actors)
-                agreed = group_runtime.agree_step(step, len(plan.names), unused, skip, local_rows, local_loss)
+                agreed = group_runtime.agree_step(step, len(plan.names), unused, skip, local_rows, local_loss, last)
                 global_losses[step] = agreed.loss
                 return agreed.unused, agreed.skip
 

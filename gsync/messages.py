@@ -32,11 +32,13 @@ class StepDispatched(_Message):
 
     ``rows[i]`` is local device i's shard size; ``total_rows`` the global
     batch size over all processes. The reduction weights follow from them.
+    ``last`` says no step follows in this process's data.
     """
 
     step: int
     rows: tuple[int, ...]
     total_rows: int
+    last: bool = False
 
 
 class BucketReady(_Message):

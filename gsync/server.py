@@ -66,7 +66,7 @@ class SyncServer:
         last_seen: Callable[[int], str] | None = None,
         after_first_step: Callable[[list[int]], None] | None = None,
         first_order: Callable[[], list[int]] | None = None,
-        finish: Callable[[int, tuple[int, ...], bool, int | None], tuple[tuple[int, ...], bool]] | None = None,
+        finish: Callable[[int, tuple[int, ...], bool, int | None, bool], tuple[tuple[int, ...], bool]] | None = None,
     ) -> None:
         self.mailbox = mailbox
         self.comm = WorkerThread("gsync-comm", loop)
@@ -146,7 +146,7 @@ class SyncServer:
                         if reduced == num_buckets:
                             no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
                             local_rows = sum(dispatched.rows) if self._finish is not None else None
-                            finished = self._finish_step(step, no_gradient, skip, local_rows)
+                            finished = self._finish_step(step, no_gradient, skip, local_rows, dispatched.last)
                     case StepFinished(step=at):
                         self._expect_step(step, at, message)
                         finished = True
@@ -184,7 +184,9 @@ class SyncServer:
         for mailbox in self._devices:
             mailbox.post(StepSynced(step, no_gradient, skip))
 
-    def _finish_step(self, step: int, no_gradient: tuple[int, ...], skip: bool, local_rows: int | None) -> bool:
+    def _finish_step(
+        self, step: int, no_gradient: tuple[int, ...], skip: bool, local_rows: int | None, last: bool
+    ) -> bool:
         """After the last reduction: broadcast buffers, agree across ranks, observe the first step's order.
 
         Runs as one job on the communication thread, after the step's
@@ -202,7 +204,7 @@ class SyncServer:
             if not self._buffers.empty:
                 self._broadcast_buffers(step)
             if self._finish is not None:
-                self._agreed = self._finish(step, no_gradient, skip, local_rows)
+                self._agreed = self._finish(step, no_gradient, skip, local_rows, last)
             if first and self._first_order_of is not None:
                 self._first_order = self._first_order_of()
 

@@ -122,16 +122,20 @@ class ProcessGroupRuntime:
         skip: bool,
         local_rows: int | None,
         local_loss: float,
+        last: bool = False,
     ) -> StepAgreement:
         """Agree on one step's unused parameters, skip flag and loss (and row counts for local data). Collective.
 
-        :raises ~gsync.ConfigError: when ranks fed process-local batches of different sizes.
+        :raises ~gsync.ConfigError: when ranks fed process-local batches of
+            different sizes, or their data ends at different steps (``last``:
+            this rank has no further step).
         """
-        facts = torch.ones(num_params + 4, dtype=torch.float64)
+        facts = torch.ones(num_params + 5, dtype=torch.float64)
         if locally_unused:
             facts[list(locally_unused)] = 0.0
         rows = 0 if local_rows is None else local_rows
-        facts[num_params:] = torch.tensor([1.0 if skip else 0.0, rows, rows * rows, local_loss], dtype=torch.float64)
+        tail = [1.0 if skip else 0.0, rows, rows * rows, local_loss, 1.0 if last else 0.0]
+        facts[num_params:] = torch.tensor(tail, dtype=torch.float64)
         facts = facts.to(self.session.device)
         dist.all_reduce(facts, group=self.session.group)
         facts = facts.cpu()
@@ -144,6 +148,13 @@ class ProcessGroupRuntime:
                     f"ranks fed batches of different sizes at step {step} (mean {total / world:g} rows); with "
                     "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
                 )
+        ending = int(facts[num_params + 4])
+        if 0 < ending < self.session.world_size:
+            raise ConfigError(
+                f"{ending} of {self.session.world_size} ranks have no data after step {step} while the others "
+                "do: every rank must run the same number of steps (same data length and epochs; with "
+                "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
+            )
         unused = tuple(int(p) for p in torch.nonzero(facts[:num_params] == 0).flatten().tolist())
         return StepAgreement(unused, bool(facts[num_params] > 0), float(facts[num_params + 3]))
 

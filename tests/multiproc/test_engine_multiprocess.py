@@ -191,3 +191,29 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
     assert survivor.ok, survivor.traceback or survivor.stderr
     assert survivor.value["type"] in ("SyncFailed", "SyncTimeout"), survivor.value
     assert survivor.value["elapsed"] < 5 + 5
+
+
+def uneven_data_lengths() -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    batches = make_batches(4 if rank == 0 else 3, 8)
+    started = time.monotonic()
+    try:
+        asyncio.run(
+            gsync.Engine(["cpu"], sync_timeout=20).fit(
+                TiedNet(), batches, optimizer=sgd, loss_fn=classification_loss, process_local_data=True
+            )
+        )
+    except gsync.GsyncError as error:
+        return {"type": type(error).__name__, "message": str(error), "last_step": error.last_step, "elapsed": time.monotonic() - started}
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+def test_ranks_whose_data_ends_at_different_steps_are_stopped_together() -> None:
+    for result in run_ranks(uneven_data_lengths, 2, timeout=80, check=True):
+        assert result.value["type"] == "ConfigError", result.value
+        assert "no data after step 2" in result.value["message"]
+        assert result.value["last_step"] == 1  # step 2 was reduced but not applied: the ranks disagreed there
+        assert result.value["elapsed"] < 20
