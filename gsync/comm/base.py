@@ -2,8 +2,8 @@
 
 Keeping it to two operations is deliberate: each implementation (in-process
 CPU, NCCL, torch.distributed) implements all of it and passes the same
-conformance suite (``tests/comm/test_conformance.py``), so no backend can leave
-an operation unimplemented.
+conformance cases (``tests/comm/test_conformance.py``, run in-process, on
+CUDA devices and across processes), so no backend can leave an operation out.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ __all__ = ("Collective",)
 class Collective(Protocol):
     """Moves gradient bytes between the local devices (and, for some, other processes).
 
-    Methods are blocking and are called from gsync's communication thread,
-    never from the event loop, one call at a time, in the same order on every
-    process. ``tensors[i]`` always belongs to local device ``i``.
+    Methods are called from gsync's communication thread, never from the
+    event loop, one call at a time, in the same order on every process.
+    ``tensors[i]`` always belongs to local device ``i``. On CPU a call's
+    result is in place when it returns; on CUDA it is ordered on each
+    device's communication stream when it returns (see :mod:`gsync.streams`).
+    A device whose weight is zero is left out of the sum, whatever its
+    tensor holds.
     """
 
     @property
