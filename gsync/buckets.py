@@ -6,9 +6,11 @@ gradients), grouped by dtype, filled into buckets up to a small first-bucket
 size and then up to the cap. Every replica (and every rank) uses the same
 plan, so bucket ``b`` means the same bytes everywhere.
 
-Each replica's ``.grad`` tensors are views into its bucket buffers
-(DDP's ``gradient_as_bucket_view``): backward accumulates straight into the
-bucket, and reducing a bucket copies no gradient.
+Each replica's ``.grad`` tensors are views into its bucket buffers for the
+reduction and the optimizer step (DDP's ``gradient_as_bucket_view``), so
+reducing a bucket needs no gather or scatter. During backward ``.grad`` is
+``None`` and the readiness hook copies each fresh gradient into its slot
+once (see :class:`ReplicaGrads`).
 """
 
 from __future__ import annotations
@@ -143,7 +145,9 @@ class ReplicaGrads:
         """Copy the gradient autograd just delivered into the bucket, and make ``.grad`` the view again."""
         param = self.params[position]
         view = self.views[position]
-        view.copy_(param.grad)  # type: ignore[arg-type]
+        grad = param.grad
+        # A sparse gradient (nn.Embedding(sparse=True)) lands densely in its slot.
+        view.copy_(grad.to_dense() if grad.is_sparse else grad)  # type: ignore[union-attr]
         param.grad = view
 
     def fill_missing(self, positions: Sequence[int]) -> None:
@@ -151,11 +155,6 @@ class ReplicaGrads:
         for position in positions:
             self.views[position].zero_()
             self.params[position].grad = self.views[position]
-
-    def zero_(self) -> None:
-        for flat in self.flats:
-            flat.zero_()
-        self.attach()
 
 
 class Readiness:

@@ -94,7 +94,9 @@ class Feeder:
                 step, batch = self._held
                 self._held = None
                 try:
-                    await self._dispatch(step, batch, last=True)
+                    # Marked last only if the data really ended: after a read
+                    # failure the step still runs, and the failure is raised after it.
+                    await self._dispatch(step, batch, last=error is None)
                 except (ConfigError, InputTypeError) as failure:
                     error = failure  # the earlier step's problem comes first
             if error is not None:

@@ -95,6 +95,8 @@ class FitRun:
         self.epochs = epochs
         self.resume = resume
         self.first_step = 0 if resume is None else resume.next_step
+        self.reported: GsyncError | None = None
+        """The failure already published to the other ranks, if any."""
 
     def _replicate(self) -> list[nn.Module]:
         replicas = []
@@ -138,7 +140,7 @@ class FitRun:
             )
             return await self._train(loop, runtime, setup)
         except GsyncError as failure:
-            if runtime is not None:
+            if runtime is not None and failure is not self.reported and failure.__cause__ is not self.reported:
                 # Before the group goes down, so peers learn why instead of seeing connections close.
                 await _report(runtime, setup, failure)
             raise
@@ -273,8 +275,13 @@ class FitRun:
             # raise; their failures were kept on the actor.
             late = [a.failure for a in actors if a.failure is not None]
             failure = first_failure(failure_group, late)
-            if runtime is not None and setup is not None and isinstance(failure, (SyncFailed, SyncTimeout)):
-                failure = await _blame_peer(runtime, setup, failure)
+            if runtime is not None and setup is not None and isinstance(failure, GsyncError):
+                # Publish this rank's failure before looking for a peer's, so two
+                # ranks whose collective failed do not each wait for the other.
+                await _report(runtime, setup, failure)
+                self.reported = failure
+                if isinstance(failure, (SyncFailed, SyncTimeout)):
+                    failure = await _blame_peer(runtime, setup, failure)
 
         if failure is None:
             failure = feeder.deferred_error

@@ -80,6 +80,11 @@ class Mailbox(Generic[M]):
                 return
             self._drain_scheduled = True
         if not self._loop.call_soon(self._drain):
+            # The loop is gone: nothing will ever drain, so refuse this and every later post.
+            with self._lock:
+                self._closed = True
+                self._from_threads.clear()
+                self._drain_scheduled = False
             raise MailboxClosed(self.owner, message)
 
     def _drain(self) -> None:

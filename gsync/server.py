@@ -152,7 +152,8 @@ class SyncServer:
                         finished = True
                     case CommFailed(step=at, bucket=bucket):
                         error = self._comm_errors.pop((at, bucket))
-                        if isinstance(error, GsyncError):
+                        if isinstance(error, (GsyncError, FitAborted)):
+                            # FitAborted: the fit is already ending for another reason.
                             raise error
                         raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
                     case StepDispatched() | Close():

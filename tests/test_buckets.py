@@ -44,18 +44,24 @@ def test_no_trainable_parameter_is_refused() -> None:
         BucketPlan.build([], 4, 4)
 
 
-def test_grads_become_views_of_the_flat_buffer() -> None:
+def test_grads_are_copied_into_the_flat_buffer_and_become_views() -> None:
     layer = nn.Linear(3, 2)
     params = list(layer.parameters())
     plan = BucketPlan.build(list(layer.named_parameters()), 1 << 20, 1 << 20)
     grads = ReplicaGrads(plan, params, torch.device("cpu"))
-    (layer(torch.ones(4, 3)).sum()).backward()
     flat = grads.flats[0]
-    assert flat.numel() == 8
-    torch.testing.assert_close(layer.bias.grad, torch.full((2,), 4.0))
-    torch.testing.assert_close(flat[:2], torch.full((2,), 4.0))  # bias registered last, laid out first
-    grads.zero_()
-    assert torch.count_nonzero(layer.weight.grad) == 0
+    assert flat.numel() == 8 and all(p.grad is v for p, v in zip(params, grads.views))
+
+    grads.release()  # before backward: autograd hands over fresh gradients
+    assert all(p.grad is None for p in params)
+    (layer(torch.ones(4, 3)).sum()).backward()
+    grads.take(1)  # the bias, registered last, is laid out first
+    assert layer.bias.grad is grads.views[1]
+    torch.testing.assert_close(flat[:2], torch.full((2,), 4.0))
+
+    grads.fill_missing([0])  # the weight "got no gradient": zeros, not last step's values
+    assert layer.weight.grad is grads.views[0]
+    assert torch.count_nonzero(flat[2:]) == 0
 
 
 def test_readiness_reports_completed_buckets_and_double_fires() -> None:

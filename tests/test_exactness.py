@@ -161,3 +161,27 @@ async def test_module_modes_are_kept_like_ddp() -> None:
     # In eval mode BatchNorm uses running stats, so sharding changes nothing: exact.
     assert_same_state(model, expected_model)
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
+class SparseBag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 12, sparse=True)
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+async def test_sparse_gradients_match_single_device_training() -> None:
+    torch.manual_seed(9)
+    model = SparseBag()
+    generator = torch.Generator().manual_seed(9)
+    batches = [(torch.randint(0, 50, (10, 4), generator=generator), torch.randint(0, 5, (10,), generator=generator)) for _ in range(3)]
+
+    def plain_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.1)
+
+    expected_model, _ = train_reference(model, batches, optimizer=plain_sgd)
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, batches, optimizer=plain_sgd, loss_fn=classification_loss)
+    assert_same_state(model, expected_model)

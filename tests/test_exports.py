@@ -6,7 +6,6 @@ import importlib
 
 import pytest
 
-import gsync
 
 MODULES = ["gsync", "gsync.comm", "gsync.streams", "gsync.distributed", "gsync.testing", "gsync.errors", "gsync.messages"]
 

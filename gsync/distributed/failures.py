@@ -10,7 +10,7 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 
-from ..errors import ConfigError, GsyncError, NonFiniteLoss, PeerFailed, SyncFailed, SyncTimeout, WorkerFailed
+from ..errors import ConfigError, DataFailed, GsyncError, NonFiniteLoss, PeerFailed, SyncFailed, SyncTimeout, WorkerFailed
 from .session import DistributedSession
 
 __all__ = ("FailureBoard", "FailureReport", "failure_report", "peer_failed")
@@ -65,6 +65,9 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
         site = "gradient sync"
     elif isinstance(error, NonFiniteLoss):
         site = "loss check"
+    elif isinstance(error, DataFailed):
+        site = "reading data"
+        root = error.__cause__ or error
     message = str(root)
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + " [truncated]"

@@ -217,3 +217,29 @@ def test_ranks_whose_data_ends_at_different_steps_are_stopped_together() -> None
         assert "no data after step 2" in result.value["message"]
         assert result.value["last_step"] == 1  # step 2 was reduced but not applied: the ranks disagreed there
         assert result.value["elapsed"] < 20
+
+
+def data_fails_on_rank_1() -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+
+    def batches() -> Any:
+        for step, batch in enumerate(make_batches(STEPS, 8)):
+            if rank == 1 and step == 2:
+                raise OSError("disk gone on rank 1")
+            yield batch
+
+    try:
+        asyncio.run(gsync.Engine(["cpu"], sync_timeout=20).fit(TiedNet(), batches(), optimizer=sgd, loss_fn=classification_loss))
+    except gsync.GsyncError as error:
+        return {"type": type(error).__name__, "message": str(error), "last_step": error.last_step}
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+def test_a_data_failure_on_one_rank_is_reported_as_itself() -> None:
+    peer, failed = run_ranks(data_fails_on_rank_1, 2, timeout=80, check=True)
+    assert failed.value["type"] == "DataFailed", failed.value
+    assert failed.value["last_step"] == 1  # the step read before the failure still ran
+    assert peer.value["type"] == "PeerFailed" and "disk gone on rank 1" in peer.value["message"], peer.value
