@@ -14,7 +14,6 @@ starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -24,12 +23,11 @@ import anyio
 import torch
 
 from ._threads import LoopHandle, Outcome, WorkerThread
-from .actor import ActorContext, FitAborted, SiteHook
+from .actor import ActorContext, FitAborted
 from .buffers import BufferSync
 from .comm.base import Collective
 from .errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
-from .trace import Trace
 from .messages import (
     BucketReady,
     BucketReduced,
@@ -59,10 +57,6 @@ class SyncServer:
         collective: Collective,
         device_mailboxes: Sequence[Mailbox[DeviceMessage]],
         loop: LoopHandle,
-        sync_timeout: float,
-        trace: Trace | None = None,
-        site_hooks: Sequence[SiteHook] = (),
-        abort: threading.Event | None = None,
         last_seen: Callable[[int], str] | None = None,
         after_first_step: Callable[[list[int]], None] | None = None,
         first_order: Callable[[], list[int]] | None = None,
@@ -79,11 +73,13 @@ class SyncServer:
         self._buffers = buffers
         self._collective = collective
         self._devices = device_mailboxes
-        self._timeout = sync_timeout
+        # The fit's settings (timeout, trace, fault hooks, abort flag) come
+        # from the context the actors share, so the two never disagree.
+        self._timeout = context.sync_timeout
         self._backlog: deque[ServerMessage] = deque()
-        self._trace = trace
-        self._site_hooks = site_hooks
-        self._abort = abort or threading.Event()
+        self._trace = context.trace
+        self._site_hooks = context.site_hooks
+        self._abort = context.abort
         self._last_seen = last_seen
         self._after_first_step = after_first_step
         self._first_order_of = first_order
