@@ -29,13 +29,10 @@ from .workloads import (
 )
 
 
-def plain(steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]:
-    """(a) One process, a plain PyTorch loop over the whole global batch."""
-    if threads is not None:
-        torch.set_num_threads(threads)
-    model = make_mlp()
-    optimizer = sgd(model.parameters())
-    batches = make_batches(warmup + steps)
+def _timed_steps(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], warmup: int
+) -> tuple[list[float], dict[str, Any]]:
+    """A plain training loop; the per-step wall times after ``warmup`` steps, and the resource window over them."""
     times: list[float] = []
     window = None
     for i, batch in enumerate(batches):
@@ -50,7 +47,17 @@ def plain(steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]
         if i >= warmup:
             times.append(time.perf_counter() - start)
     assert window is not None
-    win = window.stop()
+    return times, window.stop()
+
+
+def plain(steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]:
+    """(a) One process, a plain PyTorch loop over the whole global batch."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = make_mlp()
+    optimizer = sgd(model.parameters())
+    batches = make_batches(warmup + steps)
+    times, win = _timed_steps(model, optimizer, batches, warmup)
     return {
         "step": summarize_ms(times),
         "window": win,
@@ -201,21 +208,7 @@ def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, thr
         optimizer = sgd(model.parameters())
         batches = [shard(b, world_size, rank) for b in make_batches(warmup + steps)]
         dist.barrier()
-        times: list[float] = []
-        window = None
-        for i, batch in enumerate(batches):
-            if i == warmup:
-                window = Window()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = loss_fn(model, batch)
-            loss.backward()
-            optimizer.step()
-            loss.item()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        assert window is not None
-        win = window.stop()
+        times, win = _timed_steps(model, optimizer, batches, warmup)
         dist.barrier()
     finally:
         dist.destroy_process_group()
