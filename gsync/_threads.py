@@ -19,7 +19,11 @@ import anyio
 
 T = TypeVar("T")
 
-__all__ = ("LoopHandle", "Outcome", "WorkerThread")
+__all__ = ("FitAborted", "LoopHandle", "Outcome", "WorkerThread")
+
+
+class FitAborted(Exception):
+    """Raised inside a gsync thread to stop a job early once the run is ending (its abort flag is set)."""
 
 
 class LoopHandle:

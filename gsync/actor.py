@@ -26,7 +26,7 @@ import torch
 from anyio.abc import ObjectReceiveStream
 from torch import nn
 
-from ._threads import LoopHandle, WorkerThread
+from ._threads import FitAborted, LoopHandle, WorkerThread
 from .batches import move_batch
 from .buckets import BucketPlan, Readiness, ReplicaGrads
 from .devices import DeviceSpec
@@ -44,11 +44,7 @@ from .messages import BucketReady, Close, DeviceMessage, ServerMessage, StepSync
 from .streams import HostStreamSync, StreamSync
 from .trace import Trace
 
-__all__ = ("Shard", "DeviceActor", "ActorContext", "FitAborted", "SiteHook")
-
-
-class FitAborted(Exception):
-    """Raised inside a worker thread to stop a job early once ``fit`` is ending."""
+__all__ = ("Shard", "DeviceActor", "ActorContext", "SiteHook")
 
 
 @dataclass(frozen=True)

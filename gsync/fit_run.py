@@ -120,8 +120,9 @@ class FitRun:
     async def execute(self) -> FitResult:
         engine = self.engine
         loop = LoopHandle()
+        abort = threading.Event()
         if not engine.distributed:
-            return await self._train(loop, None, None)
+            return await self._train(loop, abort, None, None)
         # Joining, checks, reports and teardown of a process group all block:
         # they run in a thread of their own, never on the event loop.
         setup = WorkerThread("gsync-dist", loop)
@@ -136,15 +137,19 @@ class FitRun:
                     len(engine.devices),
                     engine.sync_timeout,
                     self.process_local_data,
+                    abort,
                 )
             )
-            return await self._train(loop, runtime, setup)
+            return await self._train(loop, abort, runtime, setup)
         except GsyncError as failure:
             if runtime is not None and failure is not self.reported and failure.__cause__ is not self.reported:
                 # Before the group goes down, so peers learn why instead of seeing connections close.
                 await _report(runtime, setup, failure)
             raise
         finally:
+            # A start-up collective still waiting (the fit was cancelled, or a
+            # peer died) leaves now, so the setup thread is free for teardown.
+            abort.set()
             with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
                 if runtime is not None:
                     await setup.run(runtime.close)
@@ -152,10 +157,9 @@ class FitRun:
             await setup.join(_THREAD_GRACE_S)
 
     async def _train(
-        self, loop: LoopHandle, runtime: ProcessGroupRuntime | None, setup: WorkerThread | None
+        self, loop: LoopHandle, abort: threading.Event, runtime: ProcessGroupRuntime | None, setup: WorkerThread | None
     ) -> FitResult:
         engine = self.engine
-        abort = threading.Event()
         replicas = self._replicate()
         if runtime is not None and setup is not None:
             await setup.run(lambda: runtime.prepare(replicas))
@@ -168,7 +172,7 @@ class FitRun:
         topology = runtime.topology if runtime is not None else Topology(local_devices=len(replicas))
         streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
         collective: Collective = (
-            ProcessGroupCollective(runtime.session.group, topology)
+            ProcessGroupCollective(runtime.session.group, topology, abort)
             if runtime is not None
             else _local_collective(engine.devices, streams)
         )

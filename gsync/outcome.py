@@ -7,7 +7,7 @@ from typing import Any
 
 import anyio
 
-from .actor import FitAborted
+from ._threads import FitAborted
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
 
 __all__ = ("first_failure",)

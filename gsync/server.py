@@ -22,8 +22,8 @@ from functools import partial
 import anyio
 import torch
 
-from ._threads import LoopHandle, Outcome, WorkerThread
-from .actor import ActorContext, FitAborted
+from ._threads import FitAborted, LoopHandle, Outcome, WorkerThread
+from .actor import ActorContext
 from .buffers import BufferSync
 from .comm.base import Collective
 from .errors import GsyncError, SyncFailed, SyncTimeout

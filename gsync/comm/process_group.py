@@ -22,11 +22,13 @@ GPU. Calls run in gsync's communication thread, never on the event loop.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..distributed.waiting import wait_work
 from ..errors import ConfigError, GsyncError
 from ..topology import Topology
 
@@ -44,11 +46,16 @@ class ProcessGroupCollective:
     The collective never creates or destroys the group: :meth:`close` only
     stops further use, so a user's group stays up.
 
+    ``abort`` is the run's abort flag: once it is set, a call blocked in a
+    gloo wait leaves within a fraction of a second with
+    :class:`~gsync._threads.FitAborted` (see :mod:`gsync.distributed.waiting`),
+    so no thread is left inside a collective a failed peer never completes.
+
     :raises ~gsync.ConfigError: when ``topology`` does not describe this
         process's place in ``group``.
     """
 
-    def __init__(self, group: dist.ProcessGroup, topology: Topology) -> None:
+    def __init__(self, group: dist.ProcessGroup, topology: Topology, abort: threading.Event | None = None) -> None:
         if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, dist.ProcessGroup):
             raise ConfigError(
                 "ProcessGroupCollective needs a torch.distributed.ProcessGroup this process belongs to; "
@@ -66,6 +73,7 @@ class ProcessGroupCollective:
         self._topology = topology
         # Collectives name their source by global rank; translate once here.
         self._source = dist.get_global_rank(group, 0)
+        self._abort = abort
         self._closed = False
 
     @property
@@ -88,6 +96,7 @@ class ProcessGroupCollective:
             tensors or weights is not the number of local devices.
         :raises RuntimeError: (from torch.distributed) when the cross-process
             collective fails, e.g. because a peer died or the group timed out.
+        :raises ~gsync._threads.FitAborted: when the abort flag is set while waiting.
         """
         self._check(tensors, weights)
         target = _contiguous(tensors[0])
@@ -104,7 +113,8 @@ class ProcessGroupCollective:
         for tensor, weight in zip(tensors[1:], weights[1:]):
             if weight != 0:
                 target.add_(tensor.to(target.device, non_blocking=True), alpha=weight)
-        dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True).wait()
+        work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        wait_work(work, self._abort, blocking=not target.is_cuda)
         self._write_back(tensors, target)
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -119,7 +129,8 @@ class ProcessGroupCollective:
         self._check(tensors, None)
         target = _contiguous(tensors[0])
         if target.numel() != 0:
-            dist.broadcast(target, src=self._source, group=self._group, async_op=True).wait()
+            work = dist.broadcast(target, src=self._source, group=self._group, async_op=True)
+            wait_work(work, self._abort, blocking=not target.is_cuda)
         self._write_back(tensors, target)
 
     def close(self) -> None:

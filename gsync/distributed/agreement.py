@@ -29,7 +29,7 @@ _ALIGN = 16
 
 def _all_gather(session: DistributedSession, tensor: torch.Tensor) -> list[torch.Tensor]:
     gathered = [torch.empty_like(tensor) for _ in range(session.world_size)]
-    dist.all_gather(gathered, tensor, group=session.group)
+    session.wait(dist.all_gather(gathered, tensor, group=session.group, async_op=True))
     return gathered
 
 
@@ -197,7 +197,7 @@ def _broadcast_bytes(session: DistributedSession, tensors: list[torch.Tensor]) -
         for tensor, offset in zip(tensors, offsets):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()].copy_(raw)
-    dist.broadcast(flat, src=session.source_rank, group=session.group)
+    session.wait(dist.broadcast(flat, src=session.source_rank, group=session.group, async_op=True))
     if not source:
         for tensor, offset in zip(tensors, offsets):
             nbytes = tensor.numel() * tensor.element_size()
@@ -222,5 +222,5 @@ def agree_on_order(session: DistributedSession, order: Sequence[int]) -> list[in
             "parameters (same model, same requires_grad settings)"
         )
     agreed = torch.tensor(list(order), dtype=torch.int64).to(session.device)
-    dist.broadcast(agreed, src=session.source_rank, group=session.group)
+    session.wait(dist.broadcast(agreed, src=session.source_rank, group=session.group, async_op=True))
     return [int(position) for position in agreed.tolist()]

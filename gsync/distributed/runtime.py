@@ -9,6 +9,7 @@ same collectives in the same order.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -71,8 +72,12 @@ class ProcessGroupRuntime:
         local_devices: int,
         sync_timeout: float,
         process_local_data: bool,
+        abort: threading.Event,
     ) -> ProcessGroupRuntime:
         """Join the group and agree on the topology. Collective; blocks until every rank joined.
+
+        Every collective of the run leaves once ``abort`` is set (the run is
+        ending), so no thread of this rank stays inside one.
 
         :raises ~gsync.ConfigError: for a missing environment, a group or store
             gsync cannot use, or process-local data with unequal device counts.
@@ -83,6 +88,7 @@ class ProcessGroupRuntime:
             sync_timeout + _GROUP_TIMEOUT_MARGIN_S,
             store=store,
             device=first_device if device_type == "cuda" else None,
+            abort=abort,
         )
         try:
             topology = gather_topology(session, local_devices)
@@ -137,7 +143,7 @@ class ProcessGroupRuntime:
         tail = [1.0 if skip else 0.0, rows, rows * rows, local_loss, 1.0 if last else 0.0]
         facts[num_params:] = torch.tensor(tail, dtype=torch.float64)
         facts = facts.to(self.session.device)
-        dist.all_reduce(facts, group=self.session.group)
+        self.session.wait(dist.all_reduce(facts, group=self.session.group, async_op=True))
         facts = facts.cpu()
         if local_rows is not None:
             world = self.session.world_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from .waiting import wait_work
 
 __all__ = ("DistributedSession", "join", "should_use_distributed")
 
@@ -53,7 +55,8 @@ class DistributedSession:
     is where gsync's own small collectives (run id, topology, checks) put
     their tensors: the CPU for gloo, a CUDA device for NCCL. ``run_id`` is
     unique per store, so keys under :attr:`namespace` belong to this session
-    alone.
+    alone. ``abort`` is the run's abort flag: every collective gsync runs on
+    the group waits through :meth:`wait`, which leaves once it is set.
     """
 
     group: dist.ProcessGroup
@@ -64,6 +67,7 @@ class DistributedSession:
     backend: str
     device: torch.device
     run_id: int
+    abort: threading.Event = field(default_factory=threading.Event)
     _closed: bool = field(default=False, init=False, repr=False)
 
     @property
@@ -75,6 +79,13 @@ class DistributedSession:
     def source_rank(self) -> int:
         """Global rank of group rank 0, the source of every broadcast."""
         return dist.get_global_rank(self.group, 0)
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for a collective launched with ``async_op=True``; see :func:`~gsync.distributed.waiting.wait_work`.
+
+        :raises ~gsync._threads.FitAborted: once :attr:`abort` is set.
+        """
+        wait_work(work, self.abort, blocking=self.device.type != "cuda")
 
     @property
     def closed(self) -> bool:
@@ -140,6 +151,7 @@ def join(
     *,
     store: dist.Store | None = None,
     device: torch.device | str | None = None,
+    abort: threading.Event | None = None,
 ) -> DistributedSession:
     """Join the run's process group, or adopt the one given. Collective.
 
@@ -156,7 +168,8 @@ def join(
 
     ``timeout_s`` bounds the rendezvous and every collective of a group gsync
     creates. ``device`` (CUDA only) is the device gsync's own collectives use;
-    default: the current CUDA device.
+    default: the current CUDA device. ``abort`` is the run's abort flag (see
+    :class:`DistributedSession`).
 
     Blocks until every rank has joined. Ranks then agree on a run id (rank 0
     draws it from a counter in the store), so the keys of this session never
@@ -202,8 +215,9 @@ def join(
         # name), so a later session adopting this group counts runs alike.
         group_store = dist.distributed_c10d._get_default_store()
         created = True
+    abort = abort if abort is not None else threading.Event()
     try:
-        run_id = _agree_run_id(group, group_store, comm_device)
+        run_id = _agree_run_id(group, group_store, comm_device, abort)
     except BaseException:
         if created:
             dist.destroy_process_group(group)
@@ -217,6 +231,7 @@ def join(
         backend=backend if created else _backend_of(group),
         device=comm_device,
         run_id=run_id,
+        abort=abort,
     )
 
 
@@ -263,11 +278,12 @@ def _comm_device(device_type: str, device: torch.device | str | None) -> torch.d
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _agree_run_id(group: dist.ProcessGroup, store: dist.Store, device: torch.device) -> int:
+def _agree_run_id(group: dist.ProcessGroup, store: dist.Store, device: torch.device, abort: threading.Event) -> int:
     # One broadcast: it both hands out the id and proves the group works
     # before any training state depends on it.
     value = torch.zeros(1, dtype=torch.int64, device=device)
     if group.rank() == 0:
         value.fill_(store.add(_RUN_COUNTER, 1))
-    dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    work = dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+    wait_work(work, abort, blocking=device.type != "cuda")
     return int(value.item())

@@ -91,6 +91,8 @@ class RankResult:
     traceback: str | None = None
     stderr: str = ""
     killed: bool = False
+    returned: bool = False
+    """Whether ``fn`` returned (or raised) and its result was written, whatever happened after."""
 
     @property
     def ok(self) -> bool:
@@ -101,13 +103,27 @@ class RankResult:
             return f"rank {self.rank}: ok"
         if self.error_type is not None:
             return f"rank {self.rank}: {self.error_type}: {self.error}\n{self.traceback}"
-        how = "killed by the harness" if self.killed else f"exited with {self.returncode} and no result"
+        if self.killed:
+            how = "returned its result, then was killed by the harness" if self.returned else "killed by the harness"
+        elif self.returned:
+            how = f"returned its result {self.value!r}, then exited with {_status(self.returncode)} while the process shut down"
+        else:
+            how = f"exited with {_status(self.returncode)} and no result"
         return f"rank {self.rank}: {how}; stderr tail:\n{self.stderr[-6000:]}"
 
     def unwrap(self) -> Any:
         if not self.ok:
             raise AssertionError(self.describe())
         return self.value
+
+
+def _status(returncode: int | None) -> str:
+    if returncode is not None and returncode < 0:
+        try:
+            return f"{returncode} ({signal.Signals(-returncode).name})"
+        except ValueError:
+            pass
+    return str(returncode)
 
 
 class RanksTimedOut(AssertionError):
@@ -250,7 +266,7 @@ def _collect(workdir: Path, rank: int, returncode: int | None, killed: bool) -> 
         return RankResult(rank, returncode, stderr=stderr, killed=killed)
     payload = pickle.loads(path.read_bytes())
     if payload["ok"]:
-        return RankResult(rank, returncode, value=payload["value"], stderr=stderr, killed=killed)
+        return RankResult(rank, returncode, value=payload["value"], stderr=stderr, killed=killed, returned=True)
     return RankResult(
         rank,
         returncode,
@@ -259,6 +275,7 @@ def _collect(workdir: Path, rank: int, returncode: int | None, killed: bool) -> 
         traceback=payload["traceback"],
         stderr=stderr,
         killed=killed,
+        returned=True,
     )
 
 
@@ -283,3 +300,11 @@ def selftest_fail_one_hang_others(rank: int) -> None:
     if os.environ["RANK"] == str(rank):
         raise RuntimeError("first failure")
     threading.Event().wait()
+
+
+def selftest_return_then_abort() -> str:
+    # The result is written after this returns; the abort comes during shutdown.
+    import atexit
+
+    atexit.register(os.abort)
+    return "done"

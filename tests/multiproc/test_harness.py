@@ -9,7 +9,15 @@ import os
 
 import pytest
 
-from harness import RanksTimedOut, run_ranks, selftest_echo, selftest_fail_on, selftest_fail_one_hang_others, selftest_hang
+from harness import (
+    RanksTimedOut,
+    run_ranks,
+    selftest_echo,
+    selftest_fail_on,
+    selftest_fail_one_hang_others,
+    selftest_hang,
+    selftest_return_then_abort,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -62,3 +70,9 @@ def test_no_child_outlives_the_call() -> None:
     results = run_ranks(selftest_echo, 2, args=("pid",), timeout=20, check=True)
     pids = [int(r.value["pid"]) for r in results]
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_a_rank_that_returned_and_then_crashed_says_both() -> None:
+    (result,) = run_ranks(selftest_return_then_abort, 1, timeout=20)
+    assert result.returned and result.value == "done" and not result.ok
+    assert "returned its result 'done', then exited with -6 (SIGABRT)" in result.describe()

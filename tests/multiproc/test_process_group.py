@@ -164,3 +164,48 @@ def outcomes() -> list[RankResult]:
 def test_conformance_across_processes(outcomes: list[RankResult], layout: tuple[int, int], name: str) -> None:
     failures = [f"rank {r.rank}:\n{r.value[f'{layout}-{name}']}" for r in outcomes if r.value[f"{layout}-{name}"]]
     assert not failures, "\n".join(failures)
+
+
+def abandoned_reduction() -> dict[str, object]:
+    """Rank 0 waits in an all-reduce rank 1 never joins, until the run's abort flag is raised."""
+    import threading
+    import time
+
+    from gsync._threads import FitAborted
+
+    abort = threading.Event()
+    session = join(None, "cpu", timeout_s=30, abort=abort)
+    topology = gather_topology(session, 1)
+    if session.rank == 1:
+        session.store.wait(["rank 0 left the reduction"])
+        return {}
+    collective = ProcessGroupCollective(session.group, topology, abort)
+    outcome: dict[str, object] = {}
+
+    def reduce() -> None:
+        try:
+            collective.all_reduce([torch.ones(4)], [1.0])
+            outcome["ended"] = "returned"
+        except FitAborted:
+            outcome["ended"] = "aborted"
+
+    waiter = threading.Thread(target=reduce, name="gsync-test-reduce")
+    waiter.start()
+    waiter.join(0.3)
+    outcome["blocked"] = waiter.is_alive()
+    abort.set()
+    started = time.monotonic()
+    waiter.join(5)
+    outcome["left_after_s"] = time.monotonic() - started
+    outcome["still_inside"] = waiter.is_alive()
+    session.store.set("rank 0 left the reduction", "1")
+    return outcome
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_waiting_on_a_peer_leaves_the_collective_on_abort_and_the_process_exits_cleanly() -> None:
+    # check=True also requires exit status 0: a thread left inside a gloo wait
+    # used to abort the interpreter during shutdown.
+    rank0, _ = run_ranks(abandoned_reduction, 2, timeout=40, check=True)
+    assert rank0.value["blocked"] and rank0.value["ended"] == "aborted", rank0.value
+    assert not rank0.value["still_inside"] and rank0.value["left_after_s"] < 1.0, rank0.value

@@ -1,0 +1,130 @@
+"""Repeat every multi-process failure scenario many times and count the clean runs.
+
+    .venv/bin/python bench/stress_failures.py [--repeats 30] [--hog] [--only NAME ...]
+
+A run is clean when every rank that is meant to survive returns the expected
+gsync error *and* its process exits with status 0: a native abort during
+shutdown (SIGABRT, ``terminate called without an active exception``) or a
+hang counts as a failure even if the error was right. ``--hog`` keeps one
+busy-looping process per core running beside the ranks, as a loaded CI
+machine would. The scenarios are the multi-process tests' own functions.
+
+Not a test: it takes minutes. CI runs each scenario once through pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multiproc"))
+
+import test_engine_multiprocess as scenarios  # noqa: E402
+from harness import RankResult, run_ranks  # noqa: E402
+
+Check = Callable[[list[RankResult]], str | None]
+
+
+def _expect(rank: int, *error_types: str) -> Check:
+    def check(results: list[RankResult]) -> str | None:
+        result = results[rank]
+        if not result.returned or result.returncode != 0:
+            return result.describe()
+        if not isinstance(result.value, dict) or result.value.get("type") not in error_types:
+            return f"rank {rank} returned {result.value!r}, expected one of {error_types}"
+        return None
+
+    return check
+
+
+def _all(*checks: Check) -> Check:
+    def check(results: list[RankResult]) -> str | None:
+        for one in checks:
+            problem = one(results)
+            if problem is not None:
+                return problem
+        return None
+
+    return check
+
+
+def _killed_rank_1(results: list[RankResult]) -> str | None:
+    if results[1].returncode != -signal.SIGKILL:
+        return f"rank 1 should have been SIGKILLed: {results[1].describe()}"
+    return _expect(0, "SyncFailed", "SyncTimeout")(results)
+
+
+def _config_error_everywhere(results: list[RankResult]) -> str | None:
+    for result in results:
+        if not result.returned or result.returncode != 0:
+            return result.describe()
+        if "embed.weight" not in str(result.value):
+            return f"rank {result.rank} returned {result.value!r}"
+    return None
+
+
+SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
+    "worker failure on rank 1": (scenarios.fail_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed"))),
+    "data failure on rank 1": (scenarios.data_fails_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "DataFailed"))),
+    "rank 1 SIGKILLed": (scenarios.killed_at_step_2, _killed_rank_1),
+    "data ends at different steps": (
+        scenarios.uneven_data_lengths,
+        _all(_expect(0, "ConfigError"), _expect(1, "ConfigError")),
+    ),
+    "parameter mismatch": (scenarios.mismatched_model, _config_error_everywhere),
+}
+
+
+def _hog() -> None:
+    while True:
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--hog", action="store_true", help="run one busy-looping process per core beside the ranks")
+    parser.add_argument("--only", nargs="*", default=None, help="scenario names (substrings) to run")
+    args = parser.parse_args()
+
+    hogs = []
+    if args.hog:
+        hogs = [multiprocessing.Process(target=_hog, daemon=True) for _ in range(os.cpu_count() or 1)]
+        for hog in hogs:
+            hog.start()
+    chosen = {
+        name: scenario
+        for name, scenario in SCENARIOS.items()
+        if args.only is None or any(part in name for part in args.only)
+    }
+    failures = 0
+    try:
+        for name, (fn, check) in chosen.items():
+            clean = 0
+            started = time.monotonic()
+            for attempt in range(args.repeats):
+                results = run_ranks(fn, 2, timeout=80)
+                problem = check(results)
+                if problem is None:
+                    clean += 1
+                else:
+                    print(f"  {name}, run {attempt + 1}: {problem}", flush=True)
+            failures += args.repeats - clean
+            per_run = (time.monotonic() - started) / max(args.repeats, 1)
+            print(f"{name:32s} {clean}/{args.repeats} clean   ({per_run:.1f} s per run)", flush=True)
+    finally:
+        for hog in hogs:
+            hog.terminate()
+    print(f"{'hog' if args.hog else 'no hog'}: {'all clean' if failures == 0 else f'{failures} unclean runs'}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
