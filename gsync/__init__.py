@@ -15,9 +15,14 @@ from .errors import MailboxClosed as MailboxClosed
 from .errors import NonFiniteLoss as NonFiniteLoss
 from .errors import PeerFailed as PeerFailed
 from .errors import ReplicasDiverged as ReplicasDiverged
+from .errors import SessionClosed as SessionClosed
+from .errors import StopTraining as StopTraining
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
 from .errors import WorkerFailed as WorkerFailed
+from .result import StepRecord as StepRecord
+from .session import Session as Session
+from .session import StepResult as StepResult
 from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
 
@@ -37,6 +42,11 @@ __all__ = (
     "NonFiniteLoss",
     "PeerFailed",
     "ReplicasDiverged",
+    "Session",
+    "SessionClosed",
+    "StepRecord",
+    "StepResult",
+    "StopTraining",
     "SyncFailed",
     "SyncTimeout",
     "Trace",

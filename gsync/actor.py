@@ -1,107 +1,45 @@
 """The device actor: one async task per device, owning a replica, its optimizer and its shards.
 
-Per step the actor runs forward and backward in its worker thread. Gradient
-hooks, in the thread where backward runs, count readiness per bucket and post
-one ``BucketReady`` per bucket to the sync server; buckets with gradients that
-never arrived (unused parameters, or a device with an empty shard) are posted
-when backward returns, their missing slots left at zero. The actor then waits
-for ``StepSynced`` and runs the optimizer step in its thread.
+Per step the actor runs forward and backward in its worker thread, once per
+global batch the step accumulates. In the step's last backward, gradient
+hooks (in the thread where backward runs) count readiness per bucket and post
+one ``BucketReady`` per bucket to the sync server; the backward passes before
+it only add their weighted gradients into the buckets, so accumulation moves
+no bytes. Buckets with gradients that never arrived (unused parameters, or a
+device with an empty shard) are posted when the last backward returns, their
+missing slots left at zero. The actor then waits for ``StepSynced``, runs the
+optimizer step (with clipping, the GradScaler and the LR scheduler of the
+recipe) in its thread, and posts ``StepApplied`` to the session.
 
 Nothing heavy runs on the event loop. If the actor is cancelled mid-job, the
-job stops at its next phase boundary or gradient hook, which poll the fit's
-abort flag; its result is discarded.
+job stops at its next phase boundary or gradient hook, which poll the
+session's abort flag; its result is discarded.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import anyio
 import torch
 from anyio.abc import ObjectReceiveStream
 from torch import nn
 
-from ._threads import FitAborted, LoopHandle, WorkerThread
+from ._threads import FitAborted, WorkerThread
 from .batches import move_batch
-from .buckets import BucketPlan, Readiness, ReplicaGrads
+from .buckets import Readiness, ReplicaGrads
+from .context import ActorContext, Shard
 from .devices import DeviceSpec
-from .errors import (
-    GsyncError,
-    InputTypeError,
-    NonFiniteLoss,
-    ReplicasDiverged,
-    SyncFailed,
-    SyncTimeout,
-    WorkerFailed,
-)
+from .errors import GsyncError, InputTypeError, NonFiniteLoss, SyncFailed, SyncTimeout, WorkerFailed
 from .mailbox import Mailbox
-from .messages import BucketReady, Close, DeviceMessage, ServerMessage, StepSynced
-from .streams import HostStreamSync, StreamSync
-from .trace import Trace
+from .messages import BucketReady, Close, DeviceMessage, ForwardDone, StepApplied, StepSynced
 
-__all__ = ("Shard", "DeviceActor", "ActorContext", "SiteHook")
+__all__ = ("DeviceActor",)
 
-
-@dataclass(frozen=True)
-class Shard:
-    step: int
-    rows: int
-    total_rows: int
-    data: Any
-
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-SiteHook = Callable[[int, int, str, threading.Event], None]
-"""Called as ``hook(device_index, step, site, abort)`` in the worker thread as each phase starts."""
-
-
-class ReplicaFingerprints:
-    """Collects one parameter fingerprint per device per checked step and compares them."""
-
-    def __init__(self, device_names: Sequence[str]) -> None:
-        self._names = list(device_names)
-        self._pending: dict[int, dict[int, float]] = {}
-
-    def record(self, step: int, device: int, value: float) -> None:
-        """Called on the loop. :raises ~gsync.ReplicasDiverged: when the last device's value disagrees."""
-        values = self._pending.setdefault(step, {})
-        values[device] = value
-        if len(values) < len(self._names):
-            return
-        del self._pending[step]
-        reference = values[0]
-        if any(not math.isclose(v, reference, rel_tol=1e-9, abs_tol=1e-12) for v in values.values()):
-            raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
-
-
-@dataclass
-class ActorContext:
-    """What every actor of one ``fit`` shares.
-
-    ``plan`` may be replaced once, by the bucket rebuild after the first step;
-    each actor adopts the new plan at the start of its next step.
-    """
-
-    plan: BucketPlan
-    loss_fn: LossFn
-    server: Mailbox[ServerMessage]
-    loop: LoopHandle
-    abort: threading.Event
-    sync_timeout: float
-    on_nonfinite: Literal["raise", "skip"] = "raise"
-    check_replicas_every: int | None = None
-    fingerprints: ReplicaFingerprints | None = None
-    trace: Trace | None = None
-    site_hooks: Sequence[SiteHook] = field(default_factory=tuple)
-    first_bucket_bytes: int = 1 << 20
-    bucket_cap_bytes: int = 25 << 20
-    streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
-    """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
+MetricFn = Callable[[nn.Module, Any], Any]
 
 
 class DeviceActor:
@@ -113,49 +51,69 @@ class DeviceActor:
         replica: nn.Module,
         optimizer: torch.optim.Optimizer,
         context: ActorContext,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.index = index
         self.spec = spec
         self.replica = replica
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
         self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
         self.plan = context.plan
         self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device)
         self.readiness = Readiness(self.plan)
-        self.losses: dict[int, float] = {}
         self.site = "data"
         self.step = -1
-        # Written only by the worker thread; read by the engine once the thread
+        # Written only by the worker thread; read by the session once the thread
         # is idle, to pick the replica a checkpoint is taken from.
         self.applied_step = -1
         self.optimizer_dirty = False
         self.failure: GsyncError | None = None
         self._context = context
+        # How the running backward treats gradients (see _hook_for); set per batch of a step.
+        self._posting = True
+        self._grad_scale = 1.0
+        self._got_grad = bytearray(len(self.params))
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
             for position, param in enumerate(self.params)
         ]
 
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def bucket_buffer(self, bucket: int) -> torch.Tensor:
+        return self.grads.flats[bucket]
+
+    def where(self) -> str:
+        """Where this device was last seen, e.g. ``"step 2, backward"`` (for timeout reports)."""
+        return f"step {self.step}, {self.site}"
+
     # -- in the worker thread (and autograd's, for the hooks) ------------------
 
     def _hook_for(self, position: int) -> Callable[[torch.Tensor], None]:
         context = self._context
+        got_grad = self._got_grad
 
         def on_grad_ready(param: torch.Tensor) -> None:
             if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
-            self.grads.take(position)
-            if bucket is not None:
+            self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
+            got_grad[position] = 1
+            if bucket is not None and self._posting:
                 context.streams.mark_ready(self.index, bucket)
                 context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
 
         return on_grad_ready
 
     def _enter(self, site: str) -> AbstractContextManager[None]:
-        """Start a phase: stop here if the fit is ending; the returned context times the phase when tracing."""
+        """Start a site (phase): stop here if the session is ending; the returned context times it when tracing."""
         context = self._context
         if context.abort.is_set():
             raise FitAborted
@@ -163,7 +121,7 @@ class DeviceActor:
         if context.site_hooks:
             for hook in context.site_hooks:
                 hook(self.index, self.step, site, context.abort)
-            # A hook may have blocked while the fit ended: do not start the phase then.
+            # A hook may have blocked while the session ended: do not start the phase then.
             if context.abort.is_set():
                 raise FitAborted
         if context.trace is None:
@@ -176,36 +134,62 @@ class DeviceActor:
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device)
         self.readiness = Readiness(self.plan)
 
+    def _autocast(self) -> AbstractContextManager[Any]:
+        dtype = self._context.recipe.autocast
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.spec.torch_device.type, dtype=dtype)
+
     def _forward_backward(self, shard: Shard) -> None:
+        """Forward and backward of every batch of the step; only the last backward posts buckets."""
         self.step = shard.step
         with self._enter("data"):
-            data = move_batch(shard.data, self.spec.torch_device)
+            parts = [move_batch(data, self.spec.torch_device) for data in shard.data]
         if self.plan is not self._context.plan:
             self._adopt_plan()
-        self.readiness.reset()
-        if shard.rows == 0:
-            # An empty shard has nothing to learn from: it posts every bucket
-            # as unused (all zeros) and is weighted zero in the reduction.
-            self._post_unfinished()
-            return
-        with self._enter("forward"):
-            loss = self._context.loss_fn(self.replica, data)
-            self._check_loss(loss)
-            value = loss.item()
-        # Recorded here, before any bucket of this device is posted, so the
-        # step's closing job (which follows every BucketReady) can read it.
-        self.losses[self.step] = value * shard.rows / shard.total_rows
-        if not math.isfinite(value):
-            if self._context.on_nonfinite == "raise":
-                raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
-            # Skipping: no backward, so the buckets are zero-filled; the server
-            # sees the flag and tells every device to skip this step's update.
-            self._post_unfinished(skip=True)
-            return
-        with self._enter("backward"):
-            self.grads.release()
-            loss.backward()
+        weight = shard.weight
+        batches = len(parts)
+        loss_share = 0.0
+        skip = False
+        forward_posted = False
+        self._got_grad[:] = bytes(len(self._got_grad))
+        for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):
+            if rows == 0:
+                # An empty shard has nothing to learn from: the device posts its
+                # buckets as unused (zeros), weighted by what it did see.
+                continue
+            last = position == batches - 1
+            self.readiness.reset()
+            self._posting = last
+            # The device's gradient is the weighted mean over the step's
+            # batches; the reduction weights it by ``weight`` as a whole.
+            self._grad_scale = 1.0 if batches == 1 else rows / total / batches / weight
+            with self._enter("forward"), self._autocast():
+                loss = self._context.recipe.loss_fn(self.replica, data)
+                self._check_loss(loss)
+                value = loss.item()
+            loss_share += value * rows / total / batches
+            if not math.isfinite(value):
+                if self._context.on_nonfinite == "raise":
+                    raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
+                # Skipping: no backward; the buckets are zero-filled and the
+                # server tells every device to leave this step's update out.
+                skip = True
+                break
+            if last:
+                # Before any bucket of this device is posted, so the server
+                # has the device's loss when the step's reductions end.
+                self._post_forward_done(loss_share, skip=False)
+                forward_posted = True
+            with self._enter("backward"):
+                self.grads.release()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if not forward_posted:
+            self._post_forward_done(loss_share, skip)
         self._post_unfinished()
+
+    def _post_forward_done(self, loss_share: float, skip: bool) -> None:
+        self._context.server.post_threadsafe(ForwardDone(self.index, self.step, loss_share, skip))
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"
@@ -222,41 +206,89 @@ class DeviceActor:
                 "output, outside torch.no_grad()"
             )
 
-    def _post_unfinished(self, skip: bool = False) -> None:
-        for bucket, unused in self.readiness.unfinished():
+    def _post_unfinished(self) -> None:
+        """Post the buckets the last backward did not complete; slots of parameters that got no gradient are zeroed."""
+        for bucket, not_in_last in self.readiness.unfinished():
+            unused = tuple(p for p in not_in_last if not self._got_grad[p])
             self.grads.fill_missing(unused)
             self._context.streams.mark_ready(self.index, bucket)
-            self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused, skip))
+            self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
 
-    def _skip(self, step: int) -> None:
+    def _learning_rate(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _step_scheduler(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _skip(self, synced: StepSynced) -> StepApplied:
         # The step is left out, but the next step writes the buckets, which
         # must still wait for this step's reductions.
         self._context.streams.before_apply(self.index)
+        lr = self._learning_rate()
+        # The schedule follows the step count, as in a plain loop that skips a step.
+        self._step_scheduler()
         # Left out everywhere, so the replica is as consistent after it as before.
-        self.applied_step = step
+        self.applied_step = synced.step
+        return StepApplied(self.index, synced.step, synced.loss, lr, None, True)
 
-    def _apply(self, step: int, unused: tuple[int, ...]) -> float | None:
+    def _apply(self, synced: StepSynced) -> tuple[StepApplied, float | None]:
         self._context.streams.before_apply(self.index)
+        recipe = self._context.recipe
+        lr = self._learning_rate()
+        grad_norm: float | None = None
+        skipped = False
         with self._enter("optimizer"):
             # A parameter no device used must look untouched to the optimizer
             # (grad None), exactly as in one-process training.
-            for position in unused:
+            for position in synced.unused:
                 self.params[position].grad = None
             self.optimizer_dirty = True
             try:
-                self.optimizer.step()
+                scaler = self.scaler
+                if recipe.clip_grad_norm is not None:
+                    if scaler is not None:
+                        scaler.unscale_(self.optimizer)
+                    # The reduced gradient is the same on every replica, so every
+                    # replica computes the same norm: no collective needed.
+                    norm = torch.nn.utils.clip_grad_norm_(self.params, recipe.clip_grad_norm)
+                    grad_norm = float(norm)
+                if scaler is not None:
+                    # The reduced (scaled) gradients are identical everywhere,
+                    # so every replica finds the same infs and skips alike.
+                    scale = scaler.get_scale()
+                    scaler.step(self.optimizer)
+                    scaler.update()
+                    skipped = scaler.get_scale() < scale
+                else:
+                    self.optimizer.step()
+                self._step_scheduler()
             finally:
-                for position in unused:
+                for position in synced.unused:
                     self.params[position].grad = self.grads.views[position]
             # Only a step that returned leaves the replica consistent; the step
             # is recorded before the flag clears, so a reader never sees it late.
-            self.applied_step = step
+            self.applied_step = synced.step
             self.optimizer_dirty = False
+        applied = StepApplied(self.index, synced.step, synced.loss, lr, grad_norm, skipped)
         every = self._context.check_replicas_every
-        if every is not None and (step + 1) % every == 0:
+        if every is not None and (synced.step + 1) % every == 0:
             with torch.no_grad():
-                return float(sum(p.detach().double().sum() for p in self.params))  # type: ignore[arg-type]
-        return None
+                return applied, float(sum(p.detach().double().sum() for p in self.params))  # type: ignore[arg-type]
+        return applied, None
+
+    def _evaluate(self, data: Any, rows: int, metric_fn: MetricFn) -> dict[str, float]:
+        """``metric_fn`` on this device's shard, in eval mode without gradients; each value times ``rows``."""
+        with self._enter("evaluate"):
+            modes = [(module, module.training) for module in self.replica.modules()]
+            self.replica.eval()
+            try:
+                with torch.no_grad(), self._autocast():
+                    value = metric_fn(self.replica, move_batch(data, self.spec.torch_device))
+            finally:
+                for module, training in modes:
+                    module.training = training
+        return {name: float(metric) * rows for name, metric in _metrics(value, metric_fn, self.spec.name).items()}
 
     # -- on the event loop -----------------------------------------------------
 
@@ -289,8 +321,18 @@ class DeviceActor:
     async def _in_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.worker.run(lambda: self._on_compute_stream(fn, *args))
 
+    async def evaluate(self, data: Any, rows: int, metric_fn: MetricFn) -> dict[str, float]:
+        """Evaluate this device's shard of one batch in its worker thread; values are row-weighted sums.
+
+        :raises ~gsync.WorkerFailed: when ``metric_fn`` raises.
+        """
+        if rows == 0:
+            return {}
+        result: dict[str, float] = await self._in_thread(self._evaluate, data, rows, metric_fn)
+        return result
+
     async def run(self, shards: ObjectReceiveStream[Shard]) -> None:
-        """Train on every shard received, until the feeder closes ``shards`` and ``Close`` arrives.
+        """Train on every shard received, until the session closes ``shards`` and ``Close`` arrives.
 
         :raises ~gsync.WorkerFailed: when this device's training code raises.
         :raises ~gsync.SyncTimeout: when this device's optimizer step stalls.
@@ -310,19 +352,20 @@ class DeviceActor:
     async def _await_sync(self, step: int) -> bool:
         message = await self.mailbox.receive()
         match message:
-            case StepSynced(step=synced, unused=unused, skip=skip) if synced == step:
+            case StepSynced(step=synced_step, skip=skip) if synced_step == step:
                 if skip:
-                    await self._in_thread(self._skip, step)
-                    return True
-                with anyio.move_on_after(self._context.sync_timeout) as deadline:
-                    fingerprint = await self._in_thread(self._apply, step, unused)
-                if deadline.cancelled_caught:
-                    self._context.abort.set()
-                    raise SyncTimeout(
-                        step, self._context.sync_timeout, stalled_devices=[self.spec.name], phase="optimizer step"
-                    )
-                if fingerprint is not None and self._context.fingerprints is not None:
-                    self._context.fingerprints.record(step, self.index, fingerprint)
+                    applied = await self._in_thread(self._skip, message)
+                else:
+                    with anyio.move_on_after(self._context.sync_timeout) as deadline:
+                        applied, fingerprint = await self._in_thread(self._apply, message)
+                    if deadline.cancelled_caught:
+                        self._context.abort.set()
+                        raise SyncTimeout(
+                            step, self._context.sync_timeout, stalled_devices=[self.spec.name], site="optimizer step"
+                        )
+                    if fingerprint is not None and self._context.fingerprints is not None:
+                        self._context.fingerprints.record(step, self.index, fingerprint)
+                self._context.session.post(applied)
                 return True
             case StepSynced():
                 raise SyncFailed(step, None, f"protocol error: {self.spec.name} got {message!r} while at step {step}")
@@ -333,3 +376,22 @@ class DeviceActor:
         for hook in self._hooks:
             hook.remove()
         self.worker.stop()
+
+
+def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:
+    """A metric function's result as a dict of scalars: a dict as is, a scalar under the function's name."""
+    if isinstance(value, dict):
+        metrics = value
+    else:
+        name = getattr(metric_fn, "__name__", "metric")
+        metrics = {"metric" if name == "<lambda>" else name: value}
+    for name, metric in metrics.items():
+        if isinstance(metric, torch.Tensor) and metric.numel() == 1:
+            continue
+        if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+            continue
+        raise InputTypeError(
+            f"the metric function returned {type(metric).__name__} for {name!r} on {device}; "
+            "it must return a scalar (a number or a one-element tensor) or a dict of scalars"
+        )
+    return metrics

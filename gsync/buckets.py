@@ -141,13 +141,24 @@ class ReplicaGrads:
         for param in self.params:
             param.grad = None
 
-    def take(self, position: int) -> None:
-        """Copy the gradient autograd just delivered into the bucket, and make ``.grad`` the view again."""
+    def take(self, position: int, scale: float = 1.0, add: bool = False) -> None:
+        """Move the gradient autograd just delivered into the bucket, and make ``.grad`` the view again.
+
+        ``scale`` weights it (a batch's share when a step accumulates
+        several); ``add`` adds it to what an earlier batch of the step left.
+        """
         param = self.params[position]
         view = self.views[position]
         grad = param.grad
         # A sparse gradient (nn.Embedding(sparse=True)) lands densely in its slot.
-        view.copy_(grad.to_dense() if grad.is_sparse else grad)  # type: ignore[union-attr]
+        if grad.is_sparse:  # type: ignore[union-attr]
+            grad = grad.to_dense()  # type: ignore[union-attr]
+        if add:
+            view.add_(grad, alpha=scale)  # type: ignore[arg-type]
+        elif scale == 1.0:
+            view.copy_(grad)  # type: ignore[arg-type]
+        else:
+            torch.mul(grad, scale, out=view)  # type: ignore[arg-type]
         param.grad = view
 
     def fill_missing(self, positions: Sequence[int]) -> None:

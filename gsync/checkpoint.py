@@ -27,6 +27,10 @@ class Checkpoint:
     """``state_dict()`` of the model after ``step``; load it with ``model.load_state_dict``."""
     optimizer_state: dict[str, Any]
     """``state_dict()`` of one replica's optimizer after ``step`` (all replicas' are equal)."""
+    scheduler_state: dict[str, Any] | None = None
+    """``state_dict()`` of the LR scheduler after ``step``, when the run has one."""
+    scaler_state: dict[str, Any] | None = None
+    """``state_dict()`` of the float16 ``GradScaler`` after ``step``, when the run has one."""
 
     @property
     def next_step(self) -> int:
@@ -39,6 +43,8 @@ class Checkpoint:
         replica: nn.Module,
         optimizer: torch.optim.Optimizer,
         buffers: dict[str, torch.Tensor] | None = None,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> Checkpoint:
         """Copy a replica's state to the CPU, with ``buffers`` (name -> tensor) replacing its own."""
         state = {name: value.detach().to("cpu", copy=True) for name, value in replica.state_dict().items()}
@@ -47,7 +53,13 @@ class Checkpoint:
                 state[name] = value.detach().to("cpu", copy=True)
         # Copied straight to the CPU: a failure caused by device memory
         # pressure must still be able to take its checkpoint.
-        return cls(step, state, _to_cpu(optimizer.state_dict()))
+        return cls(
+            step,
+            state,
+            _to_cpu(optimizer.state_dict()),
+            None if scheduler is None else _to_cpu(scheduler.state_dict()),
+            None if scaler is None else _to_cpu(scaler.state_dict()),
+        )
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,32 +1,36 @@
-"""The engine: the public entry point. It validates settings and input, then runs each ``fit``.
+"""The engine: the public entry point. It validates settings and input, then opens sessions and runs fits.
 
-A ``fit`` (see :mod:`gsync.fit_run`) builds a replica, optimizer and bucket
-buffers per device, starts the feeder, the sync server and one actor per
-device in one task group, and turns however that group ends into one result
-or one exception (:mod:`gsync.outcome`).
+A session (:mod:`gsync.session`) builds a replica, optimizer and bucket
+buffers per device and runs the sync server and one actor per device in one
+task group for the life of an ``async with`` block; ``fit`` (:mod:`gsync.fit`)
+is a loop over a session.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .actor import LossFn, SiteHook
 from .checkpoint import Checkpoint
+from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHook
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
-from .fit_run import FitRun, OptimizerFactory
+from .fit import check_callbacks, run_fit
 from .result import FitResult, FitStats
+from .session import Session, open_session
 from .trace import Trace
 
 __all__ = ("Engine", "FitResult", "FitStats")
+
+_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _positive(name: str, value: object) -> float:
@@ -111,6 +115,65 @@ class Engine:
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]})"
 
+    def session(
+        self,
+        model: nn.Module,
+        *,
+        optimizer: OptimizerFactory,
+        loss_fn: LossFn,
+        scheduler: SchedulerFactory | None = None,
+        clip_grad_norm: float | None = None,
+        autocast: torch.dtype | None = None,
+        resume: Checkpoint | None = None,
+        process_local_data: bool = False,
+    ) -> AbstractAsyncContextManager[Session]:
+        """Open a session for your own training loop: ``async with engine.session(model, ...) as session``.
+
+        Inside the block, ``await session.step(batch)`` is one optimizer step
+        on every device (``session.step(b1, ..., bN)`` accumulates N global
+        batches into one step); ``session.evaluate``, ``session.all_reduce``
+        and ``session.checkpoint`` complete the loop. Leaving the block
+        without an error writes the trained weights into ``model``.
+
+        The recipe features are the same as :meth:`fit`'s:
+
+        - ``scheduler=lambda optimizer: torch.optim.lr_scheduler.X(optimizer, ...)``
+          builds one LR scheduler per replica, stepped once after every step
+          (applied or skipped), as a plain loop does; its state is in every checkpoint.
+        - ``clip_grad_norm=max_norm`` clips the *reduced* gradient, as
+          ``torch.nn.utils.clip_grad_norm_`` on one device would; replicas hold
+          the same reduced gradient, so no extra collective is needed.
+        - ``autocast=torch.bfloat16`` or ``torch.float16`` runs ``loss_fn``
+          under ``torch.autocast`` for the device type; float16 adds one
+          ``torch.amp.GradScaler`` per replica. Each replica's scaler looks at
+          the *reduced* scaled gradients, identical everywhere, so every
+          replica (on every process) skips or steps together and the scales
+          stay equal.
+
+        The block is one anyio task group: a failure raises from ``step``
+        (or, between steps, cancels your code and raises from the ``async
+        with``), with the same errors as :meth:`fit`; the session is closed
+        afterwards. Everything the session started is stopped when the block
+        ends, however it ends, and the engine can open another session.
+
+        :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
+            arguments, when entering the block, before anything is built; and
+            when the engine already runs a fit or session.
+        """
+        recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        return self._exclusive(open_session(self, model, recipe, resume=resume, process_local_data=process_local_data))
+
+    @asynccontextmanager
+    async def _exclusive(self, inner: AbstractAsyncContextManager[Session]) -> AsyncIterator[Session]:
+        if self._running:
+            raise ConfigError("this engine is already running a fit or session; finish it before starting another")
+        self._running = True
+        try:
+            async with inner as session:
+                yield session
+        finally:
+            self._running = False
+
     async def fit(
         self,
         model: nn.Module,
@@ -121,6 +184,12 @@ class Engine:
         epochs: int = 1,
         resume: Checkpoint | None = None,
         process_local_data: bool = False,
+        scheduler: SchedulerFactory | None = None,
+        clip_grad_norm: float | None = None,
+        autocast: torch.dtype | None = None,
+        accumulate: int = 1,
+        callbacks: Sequence[Any] = (),
+        progress: bool | None = None,
     ) -> FitResult:
         """Train ``model`` on ``data`` with one replica per device and return it trained.
 
@@ -128,6 +197,22 @@ class Engine:
         contiguous shard per device. ``loss_fn(model, shard)`` returns the mean
         loss of its shard; shards are weighted by their row counts, so every
         step equals one step of single-device training on the whole batch.
+        ``fit`` is a loop over :meth:`session`, and takes the same recipe
+        features (``scheduler``, ``clip_grad_norm``, ``autocast``), plus:
+
+        - ``accumulate=N``: every N consecutive batches make one optimizer
+          step (the mean of their gradients); the backward passes before the
+          last of each group move no bytes. An epoch's trailing batches that
+          do not fill a group are left out, with a warning.
+        - ``callbacks``: objects with any of ``on_step_end(session, result)``,
+          ``on_epoch_end(session, epoch)`` and ``on_fit_end(session)``, sync or
+          async, called on the event loop between steps (they may await
+          ``session.evaluate(...)`` or take ``session.checkpoint()``). Raising
+          :class:`~gsync.StopTraining` ends the fit early, normally; any other
+          exception ends it and propagates unchanged.
+        - ``progress``: a progress bar (``tqdm.auto`` when installed, else
+          INFO lines on the ``gsync`` logger); by default on, except in tests
+          and under CI.
 
         The model passed in is only read until training succeeds; then it
         receives the first replica's parameters and buffers. If ``fit`` fails
@@ -135,11 +220,11 @@ class Engine:
         ``checkpoint`` holds the last consistent state.
 
         ``resume`` continues from a checkpoint (an error's, or a result's):
-        replicas start from its state, ``data`` is replayed and its first
-        ``checkpoint.step + 1`` batches (counted across epochs) are skipped, so
-        ``data`` must yield the same batches in the same order as before.
-        ``epochs`` counts every epoch of the run, including those before the
-        checkpoint.
+        replicas start from its state, ``data`` is replayed and the batches
+        of its first ``checkpoint.step + 1`` steps (counted across epochs) are
+        skipped, so ``data`` must yield the same batches in the same order as
+        before. ``epochs`` counts every epoch of the run, including those
+        before the checkpoint.
 
         Across processes, every process by default iterates the same global
         batches and keeps its own devices' shards (rank-major), so results do
@@ -163,12 +248,29 @@ class Engine:
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
         :raises ~gsync.PeerFailed: when another process's fit failed.
         """
-        _check_fit_args(model, data, optimizer, loss_fn, epochs, resume)
+        recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        _check_data(data, epochs)
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        checked_callbacks = check_callbacks(callbacks)
+        if progress is not None and not isinstance(progress, bool):
+            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
         if self._running:
-            raise ConfigError("this engine is already running a fit; await it before starting another")
+            raise ConfigError("this engine is already running a fit or session; finish it before starting another")
         self._running = True
         try:
-            return await FitRun(self, model, data, optimizer, loss_fn, epochs, resume, process_local_data).execute()
+            return await run_fit(
+                self,
+                model,
+                data,
+                recipe,
+                epochs=epochs,
+                resume=resume,
+                process_local_data=process_local_data,
+                accumulate=accumulate,
+                callbacks=checked_callbacks,
+                progress=progress,
+            )
         finally:
             self._running = False
 
@@ -179,9 +281,19 @@ def _default_devices_of_this_process() -> list[str]:
     return ["cpu"]
 
 
-def _check_fit_args(
-    model: object, data: object, optimizer: object, loss_fn: object, epochs: object, resume: object
-) -> None:
+def _recipe(
+    model: object,
+    optimizer: object,
+    loss_fn: object,
+    scheduler: object,
+    clip_grad_norm: object,
+    autocast: object,
+    resume: object,
+) -> Recipe:
+    """Check the arguments a session and a fit share, and bundle the recipe.
+
+    :raises ~gsync.InputTypeError: or :class:`~gsync.ConfigError`, naming what to change.
+    """
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
@@ -191,10 +303,29 @@ def _check_fit_args(
         )
     if not callable(loss_fn):
         raise InputTypeError("loss_fn must be callable as loss_fn(model, shard) -> scalar tensor")
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+    if scheduler is not None and (not callable(scheduler) or hasattr(scheduler, "step")):
+        raise InputTypeError(
+            "scheduler must be a factory, called once per replica with that replica's optimizer, "
+            "e.g. scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 10)"
+        )
+    if clip_grad_norm is not None:
+        clip_grad_norm = _positive("clip_grad_norm", clip_grad_norm)
+    if autocast is not None and autocast not in _AUTOCAST_DTYPES:
+        raise ConfigError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
     if resume is not None and not isinstance(resume, Checkpoint):
         raise InputTypeError(f"resume must be a gsync.Checkpoint (an error's or a result's), got {type(resume).__name__}")
+    return Recipe(
+        loss_fn=loss_fn,  # type: ignore[arg-type]
+        optimizer=optimizer,  # type: ignore[arg-type]
+        scheduler=scheduler,  # type: ignore[arg-type]
+        clip_grad_norm=clip_grad_norm,  # type: ignore[arg-type]
+        autocast=autocast,  # type: ignore[arg-type]
+    )
+
+
+def _check_data(data: object, epochs: object) -> None:
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
     if isinstance(data, torch.Tensor):
         raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
     if not isinstance(data, (Iterable, AsyncIterable)):

@@ -23,6 +23,8 @@ __all__ = (
     "ReplicasDiverged",
     "PeerFailed",
     "DataFailed",
+    "SessionClosed",
+    "StopTraining",
 )
 
 
@@ -108,7 +110,9 @@ class SyncTimeout(FitError, TimeoutError):
     ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
     ``unreduced`` the buckets that were ready everywhere but whose reduction
     never finished; ``stalled_devices`` the device names involved, and
-    ``last_seen`` where each of them was last seen (e.g. ``"step 2, optimizer"``).
+    ``last_seen`` where each of them was last seen (e.g. ``"step 2, optimizer"``);
+    ``site`` what did not complete (``"gradient sync"``, ``"optimizer step"``, ...),
+    named as :attr:`WorkerFailed.site` is.
     """
 
     def __init__(
@@ -118,7 +122,7 @@ class SyncTimeout(FitError, TimeoutError):
         missing: Sequence[tuple[str, int]] = (),
         unreduced: Sequence[int] = (),
         stalled_devices: Sequence[str] = (),
-        phase: str = "gradient sync",
+        site: str = "gradient sync",
         last_seen: dict[str, str] | None = None,
     ) -> None:
         self.step = step
@@ -127,7 +131,8 @@ class SyncTimeout(FitError, TimeoutError):
         self.unreduced = tuple(unreduced)
         self.stalled_devices = tuple(stalled_devices) or tuple(dict.fromkeys(d for d, _ in self.missing))
         self.last_seen = dict(last_seen or {})
-        parts = [f"step {step} did not complete its {phase} within {timeout:g} s"]
+        self.site = site
+        parts = [f"step {step} did not complete its {site} within {timeout:g} s"]
         if self.stalled_devices:
             described = [
                 f"{d} (last seen in {self.last_seen[d]})" if d in self.last_seen else d for d in self.stalled_devices
@@ -209,3 +214,17 @@ class DataFailed(FitError):
     def __init__(self, step: int) -> None:
         super().__init__(f"reading the batch of step {step} from data failed")
         self.step = step
+
+
+class SessionClosed(ConfigError):
+    """A session was used after its ``async with`` block ended, or after a failure closed it.
+
+    The message says which; a failure that closed it is ``__cause__``.
+    """
+
+
+class StopTraining(Exception):
+    """Raise from a ``fit`` callback to end training after the current step; ``fit`` returns normally.
+
+    Not an error: the result holds every step done so far.
+    """

@@ -12,14 +12,17 @@ import msgspec
 
 __all__ = (
     "StepDispatched",
+    "ForwardDone",
     "BucketReady",
     "BucketReduced",
     "StepFinished",
     "CommFailed",
     "StepSynced",
+    "StepApplied",
     "Close",
     "ServerMessage",
     "DeviceMessage",
+    "SessionMessage",
 )
 
 
@@ -28,32 +31,46 @@ class _Message(msgspec.Struct, tag=True, frozen=True, gc=False, array_like=True)
 
 
 class StepDispatched(_Message):
-    """The feeder handed step ``step``'s shards to the local devices.
+    """The session handed step ``step``'s shards to the local devices.
 
-    ``rows[i]`` is local device i's shard size; ``total_rows`` the global
-    batch size over all processes. The reduction weights follow from them.
-    ``last`` says no step follows in this process's data.
+    ``weights[i]`` is local device i's share of the step's gradient (its rows
+    over the global batch's, averaged over the step's batches when it
+    accumulates several); ``rows`` this process's rows in the step, which
+    ranks fed process-local data check against each other. ``last`` says no
+    step follows in this process's data (known to ``fit``, which reads ahead).
     """
 
     step: int
-    rows: tuple[int, ...]
-    total_rows: int
+    weights: tuple[float, ...]
+    rows: int
     last: bool = False
+
+
+class ForwardDone(_Message):
+    """``device`` finished the forward passes of ``step``; posted before any of its ``BucketReady``.
+
+    ``loss`` is the device's share of the step's global mean loss (its shard
+    loss weighted by its rows); ``skip`` says a loss was not finite and the
+    step must not be applied (``on_nonfinite="skip"``).
+    """
+
+    device: int
+    step: int
+    loss: float
+    skip: bool = False
 
 
 class BucketReady(_Message):
     """Every gradient of ``bucket`` is final on ``device`` for ``step``.
 
     ``unused`` names the parameters (global indices) of the bucket that got no
-    gradient on this device; their slots in the bucket hold zeros. ``skip``
-    says the device's loss was not finite and the step must not be applied.
+    gradient on this device; their slots in the bucket hold zeros.
     """
 
     device: int
     step: int
     bucket: int
     unused: tuple[int, ...] = ()
-    skip: bool = False
 
 
 class BucketReduced(_Message):
@@ -82,12 +99,31 @@ class StepSynced(_Message):
     ``unused`` names the parameters that got no gradient on any device; the
     optimizer must see ``grad=None`` for them, as it would on one device.
     ``skip`` tells every device to leave this step's update out (a device's
-    loss was not finite, with ``on_nonfinite="skip"``).
+    loss was not finite, with ``on_nonfinite="skip"``). ``loss`` is the
+    step's global mean loss, agreed over every device of every process.
     """
 
     step: int
     unused: tuple[int, ...] = ()
     skip: bool = False
+    loss: float = 0.0
+
+
+class StepApplied(_Message):
+    """``device`` applied (or skipped) ``step``: its replica holds the state after it.
+
+    ``loss`` is the step's global mean loss, ``lr`` the learning rate the step
+    used (the first parameter group's), ``grad_norm`` the reduced gradient's
+    norm when clipping, and ``skipped`` whether the update was left out (a
+    non-finite loss, or a GradScaler that found infs).
+    """
+
+    device: int
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float | None = None
+    skipped: bool = False
 
 
 class Close(_Message):
@@ -96,5 +132,6 @@ class Close(_Message):
     reason: str = ""
 
 
-ServerMessage = StepDispatched | BucketReady | BucketReduced | StepFinished | CommFailed | Close
+ServerMessage = StepDispatched | ForwardDone | BucketReady | BucketReduced | StepFinished | CommFailed | Close
 DeviceMessage = StepSynced | Close
+SessionMessage = StepApplied

@@ -10,14 +10,14 @@ import anyio
 from ._threads import FitAborted
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
 
-__all__ = ("first_failure",)
+__all__ = ("first_failure", "flatten", "is_cancellation")
 
 
-def _flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
+def flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
     found: list[BaseException] = []
     for error in group.exceptions:
         if isinstance(error, BaseExceptionGroup):
-            found.extend(_flatten(error))
+            found.extend(flatten(error))
         else:
             found.append(error)
     return found
@@ -32,7 +32,7 @@ def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = (
     by devices whose tasks were cancelled before they could raise them.
     """
     # FitAborted is how peers stop once one device failed: never the root cause.
-    errors = [e for e in _flatten(group) if not isinstance(e, (anyio.get_cancelled_exc_class(), FitAborted))]
+    errors = [e for e in flatten(group) if not isinstance(e, (anyio.get_cancelled_exc_class(), FitAborted))]
     errors += [e for e in late if all(e is not seen for seen in errors)]
     if not errors:
         return group.exceptions[0]
@@ -48,3 +48,10 @@ def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = (
         return first
     gsync_errors = [e for e in errors if isinstance(e, GsyncError)]
     return (gsync_errors or errors)[0]
+
+
+def is_cancellation(error: BaseException) -> bool:
+    """Whether ``error`` is a cancellation, or a group of nothing but cancellations."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(is_cancellation(e) for e in error.exceptions)
+    return isinstance(error, anyio.get_cancelled_exc_class())

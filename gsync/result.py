@@ -9,7 +9,7 @@ from torch import nn
 from .checkpoint import Checkpoint
 from .trace import Trace
 
-__all__ = ("FitResult", "FitStats")
+__all__ = ("FitResult", "FitStats", "StepRecord")
 
 
 @dataclass
@@ -24,6 +24,24 @@ class FitStats:
     """Parameter names per bucket, in layout order, of the plan the fit ended with."""
     rebuilt_buckets: bool = False
     """Whether the plan was rebuilt from the gradient order observed in the first step."""
+    reduced_bytes: int = 0
+    """Bytes of gradient buckets all-reduced, per device (accumulating steps reduce once per step)."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of a fit, for plotting a run: ``FitResult.history``."""
+
+    step: int
+    epoch: int
+    loss: float
+    lr: float
+    """The learning rate the step used."""
+    rows: int
+    """Rows in the step's global batches."""
+    seconds: float
+    """Wall time of the step."""
+    skipped: bool = False
 
 
 @dataclass
@@ -35,9 +53,11 @@ class FitResult:
     first_step: int = 0
     """The global index of the first step this fit ran (> 0 when resuming)."""
     skipped_steps: list[int] = field(default_factory=list)
-    """Steps left out because a loss was not finite (``on_nonfinite="skip"``)."""
+    """Steps whose update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""
     checkpoint: Checkpoint | None = None
     """The final state, to continue training later with ``fit(..., resume=checkpoint)``."""
     stats: FitStats = field(default_factory=FitStats)
     trace: Trace | None = None
     """The timeline of the fit, when the engine was built with ``trace=True``."""
+    history: list[StepRecord] = field(default_factory=list)
+    """One record per step this fit ran: step, epoch, loss, lr, rows, seconds."""

@@ -15,30 +15,32 @@ starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 
 import anyio
 import torch
 
-from ._threads import FitAborted, LoopHandle, Outcome, WorkerThread
-from .actor import ActorContext
+from ._threads import FitAborted, Outcome, WorkerThread
+from .agreement import AgreedStep, StepAgreement, StepFacts
 from .buffers import BufferSync
 from .comm.base import Collective
+from .context import ActorContext, DeviceEndpoint
 from .errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
 from .messages import (
     BucketReady,
     BucketReduced,
-    StepFinished,
     Close,
     CommFailed,
-    DeviceMessage,
+    ForwardDone,
     ServerMessage,
     StepDispatched,
+    StepFinished,
     StepSynced,
 )
+from .rebuild import PlanRebuild
 
 __all__ = ("SyncServer",)
 
@@ -46,46 +48,46 @@ _FINISH = -1
 
 
 class SyncServer:
+    """Turns bucket readiness into reductions, for the devices of one process.
+
+    ``agreement`` settles each step across processes (or locally);
+    ``rebuild``, when given, rebuilds the bucket plan after the first step.
+    """
+
     def __init__(
         self,
         *,
         mailbox: Mailbox[ServerMessage],
         context: ActorContext,
-        device_names: Sequence[str],
-        flats: Callable[[int], list[torch.Tensor]],
+        devices: Sequence[DeviceEndpoint],
         buffers: BufferSync,
         collective: Collective,
-        device_mailboxes: Sequence[Mailbox[DeviceMessage]],
-        loop: LoopHandle,
-        last_seen: Callable[[int], str] | None = None,
-        after_first_step: Callable[[list[int]], None] | None = None,
-        first_order: Callable[[], list[int]] | None = None,
-        finish: Callable[[int, tuple[int, ...], bool, int | None, bool], tuple[tuple[int, ...], bool]] | None = None,
+        agreement: StepAgreement,
+        rebuild: PlanRebuild | None = None,
     ) -> None:
         self.mailbox = mailbox
-        self.comm = WorkerThread("gsync-comm", loop)
+        self.comm = WorkerThread("gsync-comm", context.loop)
         self.bucket_ready_received = 0
         self.steps_synced = 0
         self.skipped_steps: list[int] = []
+        self.reduced_bytes = 0
+        """Bytes of bucket buffers all-reduced, per device (written by the communication thread)."""
         self._context = context
-        self._device_names = list(device_names)
-        self._flats = flats
+        self._devices = list(devices)
         self._buffers = buffers
         self._collective = collective
-        self._devices = device_mailboxes
-        # The fit's settings (timeout, trace, fault hooks, abort flag) come
+        self._agreement = agreement
+        self._rebuild = rebuild
+        # The session's settings (timeout, trace, fault hooks, abort flag) come
         # from the context the actors share, so the two never disagree.
         self._timeout = context.sync_timeout
         self._backlog: deque[ServerMessage] = deque()
         self._trace = context.trace
         self._site_hooks = context.site_hooks
         self._abort = context.abort
-        self._last_seen = last_seen
-        self._after_first_step = after_first_step
-        self._first_order_of = first_order
-        self._first_order: list[int] = []
-        self._finish = finish
-        self._agreed: tuple[tuple[int, ...], bool] = ((), False)
+        self._agreed = AgreedStep((), False, 0.0)
+        # Exceptions cannot travel in a message (messages are plain structs):
+        # CommFailed names the (step, bucket) whose exception waits here.
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
 
     async def run(self) -> None:
@@ -101,8 +103,8 @@ class SyncServer:
                     case StepDispatched():
                         await self._sync_step(message)
                     case Close():
-                        for mailbox in self._devices:
-                            mailbox.post(Close("end of data"))
+                        for device in self._devices:
+                            device.mailbox.post(Close("end of data"))
                         return
                     case _:
                         raise SyncFailed(-1, None, f"protocol error: {message!r} outside any step")
@@ -111,7 +113,7 @@ class SyncServer:
 
     async def _sync_step(self, dispatched: StepDispatched) -> None:
         step = dispatched.step
-        weights = [rows / dispatched.total_rows for rows in dispatched.rows]
+        weights = list(dispatched.weights)
         num_buckets = len(self._context.plan.buckets)
         num_devices = len(self._devices)
         arrived = [bytearray(num_devices) for _ in range(num_buckets)]
@@ -121,15 +123,19 @@ class SyncServer:
         reduced = 0
         finished = False
         skip = False
+        loss = 0.0
 
         with anyio.move_on_after(self._timeout) as deadline:
             while not finished:
                 message = await self.mailbox.receive()
                 match message:
-                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing, skip=device_skips):
+                    case ForwardDone(step=at, loss=share, skip=device_skips):
+                        self._expect_step(step, at, message)
+                        loss += share
+                        skip = skip or device_skips
+                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
                         self._expect_step(step, at, message)
                         self.bucket_ready_received += 1
-                        skip = skip or device_skips
                         arrived[bucket][device] = 1
                         ready_count[bucket] += 1
                         unused[bucket] = set(missing) if unused[bucket] is None else unused[bucket] & set(missing)  # type: ignore[operator]
@@ -141,71 +147,68 @@ class SyncServer:
                         reduced += 1
                         if reduced == num_buckets:
                             no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
-                            local_rows = sum(dispatched.rows) if self._finish is not None else None
-                            finished = self._finish_step(step, no_gradient, skip, local_rows, dispatched.last)
+                            facts = StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last)
+                            finished = self._finish_step(facts)
                     case StepFinished(step=at):
                         self._expect_step(step, at, message)
                         finished = True
                     case CommFailed(step=at, bucket=bucket):
                         error = self._comm_errors.pop((at, bucket))
                         if isinstance(error, (GsyncError, FitAborted)):
-                            # FitAborted: the fit is already ending for another reason.
+                            # FitAborted: the session is already ending for another reason.
                             raise error
                         raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
             missing_pairs = [
-                (self._device_names[device], bucket)
+                (self._devices[device].name, bucket)
                 for bucket in range(num_buckets)
                 for device in range(num_devices)
                 if not arrived[bucket][device]
             ]
             unreduced = list(range(reduced, next_launch))
             stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
-            last_seen = {self._device_names[d]: self._last_seen(d) for d in stalled} if self._last_seen else None
-            phase = "gradient sync"
+            last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
+            site = "gradient sync"
             if reduced == num_buckets:
-                phase = "closing collectives (buffer broadcast, agreement across processes)"
+                site = "closing collectives (buffer broadcast, agreement across processes)"
             elif not missing_pairs:
-                phase = "gradient sync (waiting on the collective; with several processes, on another rank)"
-            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, phase=phase, last_seen=last_seen)
+                site = "gradient sync (waiting on the collective; with several processes, on another rank)"
+            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
 
-        no_gradient, skip = self._agreed
+        agreed = self._agreed
         self.steps_synced += 1
-        if self.steps_synced == 1 and self._after_first_step is not None:
+        if self._rebuild is not None and self.steps_synced == 1:
             # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
-            self._after_first_step(self._first_order)
-        if skip:
+            self._rebuild.apply()
+        if agreed.skip:
             self.skipped_steps.append(step)
-        for mailbox in self._devices:
-            mailbox.post(StepSynced(step, no_gradient, skip))
+        for device in self._devices:
+            device.mailbox.post(StepSynced(step, agreed.unused, agreed.skip, agreed.loss))
 
-    def _finish_step(
-        self, step: int, no_gradient: tuple[int, ...], skip: bool, local_rows: int | None, last: bool
-    ) -> bool:
+    def _finish_step(self, facts: StepFacts) -> bool:
         """After the last reduction: broadcast buffers, agree across ranks, observe the first step's order.
 
         Runs as one job on the communication thread, after the step's
         reductions, when there is anything to do; returns whether the step is
         already finished (nothing needed the thread).
         """
-        self._agreed = (no_gradient, skip)
-        first = self.steps_synced == 0 and self._first_order_of is not None
-        if self._buffers.empty and self._finish is None and not first:
+        observe = self._rebuild is not None and self.steps_synced == 0
+        if self._buffers.empty and self._agreement.local and not observe:
+            self._agreed = self._agreement.agree(facts)
             return True
 
         def finish() -> None:
             if self._abort.is_set():
                 raise FitAborted
             if not self._buffers.empty:
-                self._broadcast_buffers(step)
-            if self._finish is not None:
-                self._agreed = self._finish(step, no_gradient, skip, local_rows, last)
-            if first and self._first_order_of is not None:
-                self._first_order = self._first_order_of()
+                self._broadcast_buffers(facts.step)
+            self._agreed = self._agreement.agree(facts)
+            if observe and self._rebuild is not None:
+                self._rebuild.observe()
 
-        self._submit(step, _FINISH, finish)
+        self._submit(facts.step, _FINISH, finish)
         return False
 
     def _expect_step(self, step: int, at: int, message: ServerMessage) -> None:
@@ -213,11 +216,12 @@ class SyncServer:
             raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
-        self._submit(step, bucket, partial(self._reduce, step, bucket, self._flats(bucket), weights))
+        flats = [device.bucket_buffer(bucket) for device in self._devices]
+        self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights))
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         if self._abort.is_set():
-            # The fit is ending: queued reductions would only delay teardown.
+            # The session is ending: queued reductions would only delay teardown.
             raise FitAborted
         for hook in self._site_hooks:
             hook(-1, step, "all_reduce", self._abort)
@@ -226,7 +230,7 @@ class SyncServer:
         with streams.comm_streams():
             self._collective.all_reduce(flats, weights)
         streams.after_reduce(bucket)
-
+        self.reduced_bytes += flats[0].numel() * flats[0].element_size()
     def _broadcast_buffers(self, step: int) -> None:
         streams = self._context.streams
         with streams.comm_streams():

@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..agreement import AgreedStep, StepFacts
 from ..errors import ConfigError, GsyncError, PeerFailed, SyncTimeout
 from ..topology import Topology
 from .agreement import agree_on_order, broadcast_module_state, gather_topology, verify_same_parameters
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
 from .session import DistributedSession, join
 
-__all__ = ("ProcessGroupRuntime", "StepAgreement")
+__all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 
 # gloo's own timeout is set a little past gsync's, so gsync's SyncTimeout,
 # which names what is missing, fires first.
@@ -31,29 +32,6 @@ _GROUP_TIMEOUT_MARGIN_S = 30.0
 # blaming the collective: a peer that failed closes its connections at once,
 # which can beat its report to this rank's watcher.
 _PEER_REPORT_GRACE_S = 2.0
-
-
-class StepAgreement:
-    """The per-step facts every rank must share, agreed with one small all-reduce.
-
-    - which parameters got a gradient on no device of any rank (the optimizer
-      must skip those everywhere, or replicas diverge);
-    - whether any rank skips the step (``on_nonfinite="skip"``);
-    - with process-local data, that every rank's batch had the same number
-      of rows (the reduction weights assume it);
-    - the step's global mean loss, from every rank's weighted share.
-
-    Folding the loss in here, rather than reducing all losses after the
-    last step, means no rank issues a collective after its last step that a
-    failed peer would never match.
-    """
-
-    __slots__ = ("unused", "skip", "loss")
-
-    def __init__(self, unused: tuple[int, ...], skip: bool, loss: float) -> None:
-        self.unused = unused
-        self.skip = skip
-        self.loss = loss
 
 
 class ProcessGroupRuntime:
@@ -120,49 +98,51 @@ class ProcessGroupRuntime:
         """Rank 0's observed gradient order, so every rank rebuilds the same bucket plan. Collective."""
         return agree_on_order(self.session, order)
 
-    def agree_step(
-        self,
-        step: int,
-        num_params: int,
-        locally_unused: Sequence[int],
-        skip: bool,
-        local_rows: int | None,
-        local_loss: float,
-        last: bool = False,
-    ) -> StepAgreement:
+    def agree_step(self, num_params: int, facts: StepFacts, process_local_rows: bool) -> AgreedStep:
         """Agree on one step's unused parameters, skip flag and loss (and row counts for local data). Collective.
 
+        One small all-reduce carries them all, so no rank issues a collective
+        after its last step that a failed peer would never match.
+
         :raises ~gsync.ConfigError: when ranks fed process-local batches of
-            different sizes, or their data ends at different steps (``last``:
-            this rank has no further step).
+            different sizes, or their data ends at different steps
+            (``facts.last``: this rank has no further step).
         """
-        facts = torch.ones(num_params + 5, dtype=torch.float64)
-        if locally_unused:
-            facts[list(locally_unused)] = 0.0
-        rows = 0 if local_rows is None else local_rows
-        tail = [1.0 if skip else 0.0, rows, rows * rows, local_loss, 1.0 if last else 0.0]
-        facts[num_params:] = torch.tensor(tail, dtype=torch.float64)
-        facts = facts.to(self.session.device)
-        self.session.wait(dist.all_reduce(facts, group=self.session.group, async_op=True))
-        facts = facts.cpu()
-        if local_rows is not None:
+        step = facts.step
+        values = torch.ones(num_params + 5, dtype=torch.float64)
+        if facts.unused:
+            values[list(facts.unused)] = 0.0
+        rows = facts.rows if process_local_rows else 0
+        tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0]
+        values[num_params:] = torch.tensor(tail, dtype=torch.float64)
+        values = values.to(self.session.device)
+        self.session.wait(dist.all_reduce(values, group=self.session.group, async_op=True))
+        values = values.cpu()
+        if process_local_rows:
             world = self.session.world_size
-            total, squares = float(facts[num_params + 1]), float(facts[num_params + 2])
+            total, squares = float(values[num_params + 1]), float(values[num_params + 2])
             # Equal sizes exactly when the sum of squares is world * mean^2.
             if abs(total * total - world * squares) > 0.5:
                 raise ConfigError(
                     f"ranks fed batches of different sizes at step {step} (mean {total / world:g} rows); with "
                     "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
                 )
-        ending = int(facts[num_params + 4])
+        ending = int(values[num_params + 4])
         if 0 < ending < self.session.world_size:
             raise ConfigError(
                 f"{ending} of {self.session.world_size} ranks have no data after step {step} while the others "
                 "do: every rank must run the same number of steps (same data length and epochs; with "
                 "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
             )
-        unused = tuple(int(p) for p in torch.nonzero(facts[:num_params] == 0).flatten().tolist())
-        return StepAgreement(unused, bool(facts[num_params] > 0), float(facts[num_params + 3]))
+        unused = tuple(int(p) for p in torch.nonzero(values[:num_params] == 0).flatten().tolist())
+        return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]))
+
+    def all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
+        """``values`` reduced over every rank with ``op`` (``"sum"``, ``"max"``, ``"min"``). Collective."""
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        moved = values.to(self.session.device)
+        self.session.wait(dist.all_reduce(moved, op=reduce_op, group=self.session.group, async_op=True))
+        return moved.to(values.device)
 
     def watch(self, callback: Callable[[FailureReport], object]) -> None:
         self.board.start_watching(callback)
@@ -191,3 +171,17 @@ class ProcessGroupRuntime:
         """Stop the watcher and destroy what gsync created (a user's group stays up)."""
         self.board.stop()
         self.session.close()
+
+
+class ProcessGroupAgreement:
+    """The :class:`~gsync.agreement.StepAgreement` of a multi-process run: one small all-reduce per step."""
+
+    local = False
+
+    def __init__(self, runtime: ProcessGroupRuntime, num_params: int, process_local_rows: bool) -> None:
+        self._runtime = runtime
+        self._num_params = num_params
+        self._process_local_rows = process_local_rows
+
+    def agree(self, facts: StepFacts) -> AgreedStep:
+        return self._runtime.agree_step(self._num_params, facts, self._process_local_rows)

@@ -1,0 +1,142 @@
+"""What the actors of one session share: the recipe, the settings, and the context they run in.
+
+The device actors, the sync server and the session import these; none of
+them imports another's module for a shared type.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from ._threads import LoopHandle
+from .buckets import BucketPlan
+from .errors import ReplicasDiverged
+from .mailbox import Mailbox
+from .messages import DeviceMessage, ServerMessage, SessionMessage
+from .streams import HostStreamSync, StreamSync
+from .trace import Trace
+
+__all__ = (
+    "ActorContext",
+    "DeviceEndpoint",
+    "LossFn",
+    "OptimizerFactory",
+    "Recipe",
+    "ReplicaFingerprints",
+    "SchedulerFactory",
+    "Shard",
+    "SiteHook",
+)
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+SiteHook = Callable[[int, int, str, threading.Event], None]
+"""Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site (phase) starts."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How each replica trains: the user's loss and optimizer, and the recipe features around them.
+
+    ``scheduler`` builds one LR scheduler per replica, stepped once after
+    every optimizer step; ``clip_grad_norm`` clips the *reduced* gradient
+    (identical on every replica, so no collective is needed); ``autocast``
+    runs ``loss_fn`` under ``torch.autocast`` with that dtype, and float16
+    adds one ``GradScaler`` per replica.
+    """
+
+    loss_fn: LossFn
+    optimizer: OptimizerFactory
+    scheduler: SchedulerFactory | None = None
+    clip_grad_norm: float | None = None
+    autocast: torch.dtype | None = None
+
+    @property
+    def scales_loss(self) -> bool:
+        return self.autocast == torch.float16
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One device's part of one optimizer step: one shard per global batch the step accumulates.
+
+    ``rows[i]`` and ``data[i]`` are this device's rows and shard of batch
+    ``i``; ``total_rows[i]`` that batch's rows over every device of every process.
+    """
+
+    step: int
+    rows: tuple[int, ...]
+    total_rows: tuple[int, ...]
+    data: tuple[Any, ...]
+
+    @property
+    def weight(self) -> float:
+        """The device's share of the step's gradient: its share of each batch, averaged over the batches."""
+        return sum(rows / total for rows, total in zip(self.rows, self.total_rows)) / len(self.rows)
+
+
+class ReplicaFingerprints:
+    """Collects one parameter fingerprint per device per checked step and compares them."""
+
+    def __init__(self, device_names: Sequence[str]) -> None:
+        self._names = list(device_names)
+        self._pending: dict[int, dict[int, float]] = {}
+
+    def record(self, step: int, device: int, value: float) -> None:
+        """Called on the loop. :raises ~gsync.ReplicasDiverged: when the last device's value disagrees."""
+        values = self._pending.setdefault(step, {})
+        values[device] = value
+        if len(values) < len(self._names):
+            return
+        del self._pending[step]
+        reference = values[0]
+        if any(not math.isclose(v, reference, rel_tol=1e-9, abs_tol=1e-12) for v in values.values()):
+            raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
+
+
+@dataclass
+class ActorContext:
+    """What every actor of one session shares.
+
+    ``plan`` may be replaced once, by the bucket rebuild after the first step;
+    each actor adopts the new plan at the start of its next step.
+    """
+
+    plan: BucketPlan
+    recipe: Recipe
+    server: Mailbox[ServerMessage]
+    session: Mailbox[SessionMessage]
+    loop: LoopHandle
+    abort: threading.Event
+    sync_timeout: float
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+    check_replicas_every: int | None = None
+    fingerprints: ReplicaFingerprints | None = None
+    trace: Trace | None = None
+    site_hooks: Sequence[SiteHook] = field(default_factory=tuple)
+    first_bucket_bytes: int = 1 << 20
+    bucket_cap_bytes: int = 25 << 20
+    streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
+    """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
+
+
+class DeviceEndpoint(Protocol):
+    """What the sync server sees of a device actor: its mailbox, its bucket buffers, where it is."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def mailbox(self) -> Mailbox[DeviceMessage]: ...
+
+    def bucket_buffer(self, bucket: int) -> torch.Tensor: ...
+
+    def where(self) -> str: ...

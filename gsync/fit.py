@@ -1,0 +1,189 @@
+"""``fit``: one loop over a session, with the data reading, accumulation, callbacks and progress around it.
+
+Every step goes through :meth:`gsync.Session.step`, so ``fit`` and a
+user's own loop share one code path for the actors, the server and failures.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import AsyncIterable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .context import Recipe
+from .errors import ConfigError, InputTypeError, StopTraining
+from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed
+from .outcome import flatten, is_cancellation
+from .progress import Progress, progress_wanted
+from .result import FitResult, StepRecord
+from .session import Session, StepResult, open_session
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ("run_fit",)
+
+_CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end")
+
+
+async def run_fit(
+    engine: Engine,
+    model: nn.Module,
+    data: Iterable[Any] | AsyncIterable[Any],
+    recipe: Recipe,
+    *,
+    epochs: int,
+    resume: Checkpoint | None,
+    process_local_data: bool,
+    accumulate: int,
+    callbacks: Sequence[Any],
+    progress: bool | None,
+) -> FitResult:
+    history: list[StepRecord] = []
+    async with open_session(engine, model, recipe, resume=resume, process_local_data=process_local_data) as session:
+        loop = _FitLoop(session, callbacks, accumulate, history)
+        display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress) else None
+        loop.progress = display
+        try:
+            await loop.run(Feeder(data, epochs, session._loop_handle(), accumulate))
+            if not history and resume is not None:
+                raise ConfigError(
+                    f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
+                    "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+                )
+            await loop.call("on_fit_end", session)
+        finally:
+            if display is not None:
+                display.close()
+        checkpoint = session.checkpoint()
+        stats = session.stats
+    return FitResult(
+        model=model,
+        losses=[record.loss for record in history],
+        first_step=session.first_step,
+        skipped_steps=[record.step for record in history if record.skipped],
+        checkpoint=checkpoint,
+        stats=stats,
+        trace=session.trace,
+        history=history,
+    )
+
+
+class _FitLoop:
+    """Groups batches into steps, reads one step ahead (so the last step is known), runs callbacks."""
+
+    def __init__(self, session: Session, callbacks: Sequence[Any], accumulate: int, history: list[StepRecord]) -> None:
+        self.session = session
+        self.callbacks = list(callbacks)
+        self.accumulate = accumulate
+        self.history = history
+        self.progress: Progress | None = None
+        self._held: tuple[int, int, list[Any]] | None = None
+        self._epochs_to_close: list[int] = []
+
+    async def call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                outcome = method(*args)
+                if inspect.isawaitable(outcome):
+                    await outcome
+
+    async def run(self, feeder: Feeder) -> None:
+        """Train on everything the feeder reads; a callback's ``StopTraining`` ends it early, without error."""
+        send, receive = anyio.create_memory_object_stream[FeedItem](1)
+        raised: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(feeder.run, send)
+                async with receive:
+                    try:
+                        await self._consume(receive)
+                    except StopTraining:
+                        pass
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as errors:
+            # The feeder never raises (it sends its failures), so this is the
+            # loop's own error: raise it as itself, not in a group.
+            raised = next((e for e in flatten(errors) if not is_cancellation(e)), errors)
+        if raised is not None:
+            raise raised
+
+    async def _consume(self, items: AsyncIterable[FeedItem]) -> None:
+        first_step = self.session.first_step
+        group: list[Any] = []
+        index = 0
+        async for item in items:
+            match item:
+                case BatchRead(epoch=epoch, batch=batch):
+                    group.append(batch)
+                    if len(group) < self.accumulate:
+                        continue
+                    batches, group = group, []
+                    step, index = index, index + 1
+                    if step < first_step:
+                        continue  # resuming: the checkpoint already includes this step
+                    await self._run_held(last=False)
+                    self._held = (step, epoch, batches)
+                case EpochEnded(epoch=epoch):
+                    if group:
+                        warnings.warn(
+                            f"epoch {epoch} ended with {len(group)} batch(es) that do not fill a step of "
+                            f"accumulate={self.accumulate}; they were left out",
+                            UserWarning,
+                            stacklevel=2,
+                        )
+                        group = []
+                    if self._held is not None and self._held[1] == epoch:
+                        self._epochs_to_close.append(epoch)
+                case ReadFailed(error=error):
+                    # The step already read still runs (it is not the last: the data did not end).
+                    await self._run_held(last=False)
+                    raise error
+        await self._run_held(last=True)
+
+    async def _run_held(self, last: bool) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            step, epoch, batches = held
+            result = await self.session._step(batches, last=last)
+            self._record(result, epoch)
+            await self.call("on_step_end", self.session, result)
+        closing, self._epochs_to_close = self._epochs_to_close, []
+        for epoch in closing:
+            await self.call("on_epoch_end", self.session, epoch)
+
+    def _record(self, result: StepResult, epoch: int) -> None:
+        self.history.append(
+            StepRecord(result.step, epoch, result.loss, result.lr, result.rows, result.seconds, result.skipped)
+        )
+        if self.progress is not None:
+            self.progress.update(result.step, epoch, result.loss, result.lr, result.rows, result.seconds)
+
+
+def check_callbacks(callbacks: object) -> list[Any]:
+    """:raises ~gsync.InputTypeError: unless every callback has at least one of the hooks."""
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
+        raise InputTypeError(f"callbacks must be a list of callback objects, got {type(callbacks).__name__}")
+    checked = list(callbacks)
+    for callback in checked:
+        if not any(callable(getattr(callback, hook, None)) for hook in _CALLBACK_HOOKS):
+            raise InputTypeError(
+                f"callback {callback!r} has none of {', '.join(_CALLBACK_HOOKS)}; give it at least one "
+                "(each is called as hook(session, ...), sync or async)"
+            )
+    return checked
+
+
+def _total_steps(data: object, epochs: int, accumulate: int) -> int | None:
+    try:
+        return len(data) // accumulate * epochs  # type: ignore[arg-type]
+    except TypeError:
+        return None

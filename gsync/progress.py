@@ -1,0 +1,52 @@
+"""``fit``'s progress display: a tqdm bar when tqdm is installed, ``logging`` lines otherwise.
+
+``tqdm.auto`` picks a widget in Jupyter and text in a terminal. Without tqdm
+gsync prints nothing itself: it logs an INFO line on the ``gsync`` logger
+every few seconds, which shows once the application configures logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+__all__ = ("Progress", "progress_wanted")
+
+_LOG_EVERY_S = 5.0
+logger = logging.getLogger("gsync")
+
+
+def progress_wanted(progress: bool | None) -> bool:
+    """``progress=None`` means on, except in tests and under CI (``CI`` or ``PYTEST_CURRENT_TEST`` set)."""
+    if progress is not None:
+        return bool(progress)
+    return not (os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"))
+
+
+class Progress:
+    def __init__(self, total_steps: int | None, first_step: int) -> None:
+        self._bar: Any = None
+        self._last_log = time.monotonic()
+        self._first_step = first_step
+        try:
+            from tqdm.auto import tqdm
+        except ImportError:
+            return
+        self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, epoch: int, loss: float, lr: float, rows: int, seconds: float) -> None:
+        samples = rows / seconds if seconds > 0 else float("nan")
+        if self._bar is not None:
+            self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4g}", lr=f"{lr:.3g}", samples_s=f"{samples:.0f}", refresh=False)
+            self._bar.update(1)
+            return
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S or step == self._first_step:
+            self._last_log = now
+            logger.info("step %d (epoch %d): loss %.4g, lr %.3g, %.0f samples/s", step, epoch, loss, lr, samples)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,90 @@
+"""Building what each device trains: its replica, optimizer, LR scheduler and GradScaler, fresh or resumed."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .context import Recipe
+from .devices import DeviceSpec
+from .errors import ConfigError, InputTypeError
+
+__all__ = ("Replica", "build_replicas", "trainable")
+
+
+def trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@dataclass
+class Replica:
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler | None
+
+
+def build_replicas(
+    model: nn.Module, devices: Sequence[DeviceSpec], recipe: Recipe, resume: Checkpoint | None
+) -> list[Replica]:
+    """One replica per device, copied from ``model`` (or ``resume``'s state), with its own optimizer and friends.
+
+    Modes are kept as given (a frozen BatchNorm in eval mode stays so), as DDP does.
+
+    :raises ~gsync.InputTypeError: when a factory returns the wrong type.
+    :raises ~gsync.ConfigError: when the optimizer was built over other parameters.
+    """
+    replicas = []
+    for spec in devices:
+        module = copy.deepcopy(model).to(spec.torch_device)
+        optimizer = _build_optimizer(recipe, module)
+        scheduler = _build_scheduler(recipe, optimizer)
+        scaler = torch.amp.GradScaler(spec.torch_device.type) if recipe.scales_loss else None
+        if resume is not None:
+            module.load_state_dict(resume.model_state)
+            # load_state_dict keeps tensors that need no cast as they are:
+            # without a copy, every replica would step one shared momentum buffer.
+            optimizer.load_state_dict(copy.deepcopy(resume.optimizer_state))
+            if scheduler is not None and resume.scheduler_state is not None:
+                scheduler.load_state_dict(copy.deepcopy(resume.scheduler_state))
+            if scaler is not None and resume.scaler_state is not None:
+                scaler.load_state_dict(copy.deepcopy(resume.scaler_state))
+        replicas.append(Replica(module, optimizer, scheduler, scaler))
+    return replicas
+
+
+def _build_optimizer(recipe: Recipe, replica: nn.Module) -> torch.optim.Optimizer:
+    optimizer = recipe.optimizer(trainable(replica))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InputTypeError(f"optimizer(params) returned a {type(optimizer).__name__}; it must return a torch.optim.Optimizer")
+    own = {id(p) for p in replica.parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in own:
+                raise ConfigError(
+                    "the optimizer factory built an optimizer over parameters it was not given (often "
+                    "`lambda params: SGD(model.parameters(), ...)`); build it over the params argument"
+                )
+    return optimizer
+
+
+def _build_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> Any:
+    if recipe.scheduler is None:
+        return None
+    scheduler = recipe.scheduler(optimizer)
+    if not (callable(getattr(scheduler, "step", None)) and callable(getattr(scheduler, "state_dict", None))):
+        raise InputTypeError(
+            f"scheduler(optimizer) returned a {type(scheduler).__name__}; it must return an LR scheduler "
+            "(with step() and state_dict()), e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)"
+        )
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ConfigError(
+            "the scheduler factory built a scheduler over another optimizer; build it over the optimizer it is given"
+        )
+    return scheduler

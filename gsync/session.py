@@ -1,0 +1,791 @@
+"""Sessions: gsync's machinery kept alive while your own loop drives the steps.
+
+``async with engine.session(model, ...) as session`` opens everything a fit
+needs (replicas, device actors, the sync server, worker threads and, across
+processes, the process group) as one anyio task group for the life of the
+block; ``await session.step(batch)`` is one optimizer step on every device.
+``fit`` is one such loop.
+
+What happens when things go wrong, in the terms of structured concurrency:
+
+- A failure while ``step`` waits (a device raised, a collective failed or
+  stalled, a peer process failed) makes ``step`` raise it, as ``fit`` would:
+  ``WorkerFailed``, ``SyncFailed``, ``SyncTimeout``, ``NonFiniteLoss``,
+  ``PeerFailed``, each carrying ``last_step`` and ``checkpoint``.
+- A failure while your code does something else between steps (a peer
+  process failed) cancels your code at its next ``await``, and the
+  ``async with`` raises the same error.
+- An exception in your code ends the session: every task and thread stops,
+  and the exception propagates unchanged.
+- Either way the session is closed afterwards, and using it again raises
+  :class:`~gsync.SessionClosed` saying why. Leaving the block without an
+  error writes the trained weights into the model you passed in; after an
+  error the model is left as it was and the error's checkpoint has the state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import torch
+from anyio.abc import ObjectSendStream
+from torch import nn
+
+from ._threads import LoopHandle, WorkerThread
+from .actor import DeviceActor, MetricFn
+from .agreement import LocalAgreement, StepAgreement
+from .batches import batch_rows, shard_rows, split_batch
+from .buckets import BucketPlan
+from .buffers import BufferSync
+from .checkpoint import Checkpoint
+from .comm.base import Collective
+from .comm.local import LocalCollective
+from .comm.nccl import NcclCollective
+from .comm.process_group import ProcessGroupCollective
+from .context import ActorContext, Recipe, ReplicaFingerprints, Shard
+from .distributed import FailureReport, peer_failed
+from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from .errors import (
+    ConfigError,
+    GsyncError,
+    InputTypeError,
+    MailboxClosed,
+    PeerFailed,
+    SessionClosed,
+    SyncFailed,
+    SyncTimeout,
+)
+from .mailbox import Mailbox
+from .messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
+from .outcome import first_failure, flatten, is_cancellation
+from .rebuild import PlanRebuild
+from .replicas import build_replicas
+from .result import FitStats
+from .server import SyncServer
+from .streams import CudaStreamSync, StreamSync, make_stream_sync
+from .topology import Topology
+from .trace import Trace
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ("Session", "StepResult", "open_session")
+
+# How long teardown waits for worker threads to finish their current job
+# before leaving them (they are daemons and stop at their next phase boundary
+# or gradient hook).
+_THREAD_GRACE_S = 0.5
+# Upper bound on reporting a failure to other ranks and closing a process group.
+_DIST_TEARDOWN_S = 10.0
+# The error type a rank publishes when it leaves its session normally.
+_DEPARTED = "SessionClosed"
+
+ReduceOp = Literal["sum", "mean", "max", "min"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    step: int
+    """The step's 0-based global index."""
+    loss: float
+    """The global mean loss (over every device of every process; the mean over the batches when accumulating)."""
+    lr: float
+    """The learning rate this step used (the first parameter group's, before the scheduler stepped)."""
+    rows: int
+    """Rows in the step's global batches, over every process."""
+    seconds: float
+    """Wall time of the step, from dispatch until every local replica applied it."""
+    grad_norm: float | None = None
+    """The reduced gradient's total norm before clipping, when ``clip_grad_norm`` is set."""
+    skipped: bool = False
+    """The update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""
+
+
+class Session:
+    """One open loop of data-parallel training; see :mod:`gsync.session` and :meth:`gsync.Engine.session`.
+
+    Build it with ``async with engine.session(...)``, never directly.
+    """
+
+    def __init__(
+        self, engine: Engine, model: nn.Module, recipe: Recipe, resume: Checkpoint | None, process_local_data: bool
+    ) -> None:
+        self._engine = engine
+        self.model = model
+        """The module passed in; it receives the trained weights when the block ends without an error."""
+        self._recipe = recipe
+        self._resume = resume
+        self._process_local = bool(process_local_data)
+        self.first_step = 0 if resume is None else resume.next_step
+        """The global index of this session's first step (> 0 when resuming)."""
+        self._next_step = self.first_step
+        self._abort = threading.Event()
+        self._open = False
+        self._ended = False
+        self._stepping = False
+        self._failure: BaseException | None = None
+        self._reported: GsyncError | None = None
+        self._peer_left: FailureReport | None = None
+        self._torn_down = False
+        # Built by _start; teardown copes with any prefix of them.
+        self._loop: LoopHandle | None = None
+        self._setup: WorkerThread | None = None
+        self._runtime: ProcessGroupRuntime | None = None
+        self._actors: list[DeviceActor] = []
+        self._server: SyncServer | None = None
+        self._collective: Collective | None = None
+        self._streams: StreamSync | None = None
+        self._buffers: BufferSync | None = None
+        self._rebuild: PlanRebuild | None = None
+        self._context: ActorContext | None = None
+        self._shard_sends: list[ObjectSendStream[Shard]] = []
+        self._shard_streams: list[Any] = []
+        self._server_mailbox: Mailbox[ServerMessage] | None = None
+        self._session_mailbox: Mailbox[SessionMessage] | None = None
+        self._topology = Topology(local_devices=len(engine.devices))
+        self.trace: Trace | None = None
+        """The session's timeline, when the engine traces."""
+
+    # -- public ----------------------------------------------------------------
+
+    @property
+    def next_step(self) -> int:
+        """The global index the next :meth:`step` will have."""
+        return self._next_step
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 in a one-process run)."""
+        return self._topology.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of processes (1 in a one-process run)."""
+        return self._topology.world_size
+
+    @property
+    def stats(self) -> FitStats:
+        server, context = self._server, self._context
+        if server is None or context is None:
+            return FitStats()
+        plan = context.plan
+        return FitStats(
+            steps=server.steps_synced,
+            buckets=len(plan.buckets),
+            bucket_ready_messages=server.bucket_ready_received,
+            bucket_sizes=tuple(b.nbytes for b in plan.buckets),
+            bucket_params=tuple(tuple(plan.names[p] for p in b.params) for b in plan.buckets),
+            rebuilt_buckets=self._rebuild is not None and self._rebuild.rebuilt,
+            reduced_bytes=server.reduced_bytes,
+        )
+
+    async def step(self, *batches: Any) -> StepResult:
+        """One optimizer step on every device, over one or more *global* batches.
+
+        Each batch is split across all devices of all processes exactly as in
+        ``fit``. With several batches the step accumulates: its gradient is
+        the mean over the batches of each batch's mean-loss gradient, and the
+        backward passes before the last move no bytes. Returns once every
+        local replica has applied the step.
+
+        :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for a bad
+            batch (before anything is dispatched), when called from a second
+            task while a step runs, or after the session ended
+            (:class:`~gsync.SessionClosed`).
+        :raises ~gsync.WorkerFailed: and the other errors of ``fit``; the
+            session is closed afterwards.
+        """
+        return await self._step(batches, last=False)
+
+    async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
+        """Evaluate on every global batch of ``data``, in eval mode and without gradients; global row-weighted means.
+
+        Without ``metric_fn`` the result is ``{"loss": ...}`` from the
+        session's ``loss_fn``. ``metric_fn(model, shard)`` returns a scalar
+        (reported under the function's name) or a dict of scalars. Each batch
+        is split over the devices as in :meth:`step` (with process-local data,
+        over this process's devices); across processes this is a collective:
+        every rank must call it with the same number of batches. Module modes
+        are restored afterwards.
+
+        :raises ~gsync.WorkerFailed: when ``metric_fn`` raises on a device.
+        :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
+        """
+        self._check_usable("evaluate")
+        if metric_fn is not None and not callable(metric_fn):
+            raise InputTypeError("metric_fn must be callable as metric_fn(model, shard) -> scalar or dict of scalars")
+        loss_fn = self._recipe.loss_fn
+
+        def loss(model: nn.Module, shard: Any) -> Any:
+            return loss_fn(model, shard)
+
+        fn = metric_fn if metric_fn is not None else loss
+        sums: dict[str, float] = {}
+        rows_seen = 0
+        self._stepping = True
+        try:
+            async for batch in _iterate(data, self._loop_handle()):
+                rows = batch_rows(batch, self._next_step)
+                counts, shards = self._split_one(batch, rows)
+                async with anyio.create_task_group() as group:
+                    results: list[dict[str, float]] = [{} for _ in self._actors]
+
+                    async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
+                        results[index] = await actor.evaluate(shard, count, fn)
+
+                    for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
+                        group.start_soon(run, index, actor, shard, count)
+                for values in results:
+                    for name, value in values.items():
+                        sums[name] = sums.get(name, 0.0) + value
+                rows_seen += sum(counts)
+            if rows_seen == 0 and self._runtime is None:
+                raise ConfigError("evaluate() got no batch: data yielded nothing")
+            names = sorted(sums)
+            totals = torch.tensor([sums[name] for name in names] + [float(rows_seen)], dtype=torch.float64)
+            if self._runtime is not None:
+                totals = await self._collective_job(lambda: self._runtime.all_reduce(totals, "sum"))  # type: ignore[union-attr]
+        except BaseExceptionGroup as errors:
+            raise self._fail(first_failure(errors)) from None
+        except GsyncError as error:
+            raise self._fail(error) from None
+        finally:
+            self._stepping = False
+        total_rows = float(totals[-1])
+        if total_rows == 0:
+            raise ConfigError("evaluate() got no rows on any rank: data yielded nothing")
+        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
+
+    async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
+        """Combine one value per *process* (not per device) over every process; returned as is in one process.
+
+        ``value`` is a number or a tensor (the same shape on every rank);
+        ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. Across
+        processes it is a collective: every rank must call it, in the same order.
+
+        :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
+        :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
+        """
+        if op not in ("sum", "mean", "max", "min"):
+            raise ConfigError(f"op must be 'sum', 'mean', 'max' or 'min', got {op!r}")
+        is_tensor = isinstance(value, torch.Tensor)
+        if not is_tensor and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputTypeError(f"all_reduce takes a number or a tensor, got {type(value).__name__}")
+        self._check_usable("all_reduce")
+        runtime = self._runtime
+        if runtime is None:
+            return value
+        tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)  # type: ignore[union-attr]
+        self._stepping = True
+        try:
+            reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op))
+        except GsyncError as error:
+            raise self._fail(error) from None
+        finally:
+            self._stepping = False
+        if op == "mean":
+            reduced = reduced / self.world_size
+        return reduced if is_tensor else float(reduced)
+
+    def checkpoint(self) -> Checkpoint:
+        """The current consistent state (model, optimizer, scheduler, scaler) as of the last step, copied to the CPU.
+
+        :raises ~gsync.ConfigError: while a step runs, or after the session ended.
+        """
+        self._check_usable("checkpoint")
+        actor = self._actors[0]
+        return Checkpoint.capture(
+            self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
+        )
+
+    # -- the step ----------------------------------------------------------------
+
+    async def _step(self, batches: Sequence[Any], last: bool) -> StepResult:
+        self._check_usable("step")
+        if not batches:
+            raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
+        step = self._next_step
+        self._check_peers(step)
+        shards, total_rows = self._split(batches, step)
+        weights = tuple(shard.weight for shard in shards)
+        local_rows = sum(sum(shard.rows) for shard in shards)
+        started = time.perf_counter()
+        self._stepping = True
+        try:
+            self._server_mailbox.post(StepDispatched(step, weights, local_rows, last))  # type: ignore[union-attr]
+            for send, shard in zip(self._shard_sends, shards):
+                await send.send(shard)
+            applied = await self._await_applied(step)
+        finally:
+            self._stepping = False
+        self._next_step = step + 1
+        return StepResult(
+            step=step,
+            loss=applied.loss,
+            lr=applied.lr,
+            rows=total_rows,
+            seconds=time.perf_counter() - started,
+            grad_norm=applied.grad_norm,
+            skipped=applied.skipped,
+        )
+
+    def _split(self, batches: Sequence[Any], step: int) -> tuple[list[Shard], int]:
+        """Every local device's shard of the step, after validating every batch; and the step's global rows."""
+        per_device: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in self._actors]
+        global_rows = 0
+        for batch in batches:
+            rows = batch_rows(batch, step)
+            counts, shards = self._split_one(batch, rows)
+            total = rows * self._topology.world_size if self._process_local else rows
+            global_rows += total
+            for (device_rows, totals, data), count, shard in zip(per_device, counts, shards):
+                device_rows.append(count)
+                totals.append(total)
+                data.append(shard)
+        return [Shard(step, tuple(r), tuple(t), tuple(d)) for r, t, d in per_device], global_rows
+
+    def _split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
+        topology = self._topology
+        if self._process_local:
+            # This process's own batch; every process's is as large (checked each step).
+            return shard_rows(rows, topology.local_devices), split_batch(batch, topology.local_devices)
+        return (
+            shard_rows(rows, topology.world_devices)[topology.local_slice],
+            split_batch(batch, topology.world_devices)[topology.local_slice],
+        )
+
+    async def _await_applied(self, step: int) -> StepApplied:
+        mailbox = self._session_mailbox
+        assert mailbox is not None
+        first: StepApplied | None = None
+        for _ in self._actors:
+            try:
+                message = await mailbox.receive()
+            except MailboxClosed:
+                raise self._failure or SessionClosed("the session closed during a step") from None
+            if message.step != step:
+                raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
+            first = first or message
+        assert first is not None
+        return first
+
+    # -- state checks ------------------------------------------------------------
+
+    def _check_usable(self, what: str) -> None:
+        if self._failure is not None:
+            raise SessionClosed(
+                f"{what}() on a session that failed ({type(self._failure).__name__}: {self._failure}); "
+                "open a new session, with resume=error.checkpoint to continue"
+            ) from self._failure
+        if not self._open:
+            if self._ended:
+                raise SessionClosed(f"{what}() after the session's async with block ended; open a new session")
+            raise SessionClosed(f"{what}() on a session that is not open: use it inside `async with engine.session(...)`")
+        if self._stepping:
+            raise ConfigError(
+                f"{what}() while another task is inside step(), evaluate() or all_reduce() of this session; a "
+                "session does one thing at a time: await each call before the next"
+            )
+
+    def _check_peers(self, step: int) -> None:
+        left = self._peer_left
+        if left is not None and step > left.step:
+            raise self._fail(peer_failed(left))
+
+    def _fail(self, error: BaseException) -> BaseException:
+        """Close the session for good because of ``error`` (raised by the caller)."""
+        self._abort.set()
+        if self._failure is None:
+            self._failure = error
+            if isinstance(error, GsyncError) and error.checkpoint is None:
+                self._attach_checkpoint(error)
+        return error
+
+    def _loop_handle(self) -> LoopHandle:
+        assert self._loop is not None
+        return self._loop
+
+    async def _collective_job(self, job: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run a collective in the communication thread, after anything it already holds."""
+        assert self._server is not None
+        return await self._server.comm.run(job)
+
+    # -- life: open ----------------------------------------------------------------
+
+    async def _start(self) -> None:
+        engine = self._engine
+        self._loop = loop = LoopHandle()
+        if engine.distributed:
+            # Joining, checks, reports and teardown of a process group all block:
+            # they run in a thread of their own, never on the event loop.
+            self._setup = WorkerThread("gsync-dist", loop)
+            self._runtime = await self._setup.run(
+                lambda: ProcessGroupRuntime.start(
+                    engine.process_group,
+                    engine.store,
+                    engine.devices[0].type,
+                    engine.devices[0].torch_device,
+                    len(engine.devices),
+                    engine.sync_timeout,
+                    self._process_local,
+                    self._abort,
+                )
+            )
+        first_bucket_bytes = int(engine.first_bucket_mb * 2**20)
+        bucket_cap_bytes = int(engine.bucket_cap_mb * 2**20)
+        # Planned from the model itself (replicas have the same names, shapes
+        # and dtypes), so a model with nothing to train is refused first.
+        plan = BucketPlan.build(
+            [(name, p) for name, p in self.model.named_parameters() if p.requires_grad],
+            first_bucket_bytes=first_bucket_bytes,
+            bucket_cap_bytes=bucket_cap_bytes,
+        )
+        replicas = build_replicas(self.model, engine.devices, self._recipe, self._resume)
+        runtime = self._runtime
+        if runtime is not None:
+            await self._setup.run(lambda: runtime.prepare([r.module for r in replicas]))  # type: ignore[union-attr]
+            self._topology = runtime.topology
+        self._streams = streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
+        self._collective = (
+            ProcessGroupCollective(runtime.session.group, self._topology, self._abort)
+            if runtime is not None
+            else _local_collective(engine, streams)
+        )
+        self.trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
+        self._buffers = BufferSync([r.module for r in replicas])
+        self._server_mailbox = Mailbox("sync server", loop)
+        self._session_mailbox = Mailbox("session", loop)
+        device_names = [spec.name for spec in engine.devices]
+        self._context = context = ActorContext(
+            plan=plan,
+            recipe=self._recipe,
+            server=self._server_mailbox,
+            session=self._session_mailbox,
+            loop=loop,
+            abort=self._abort,
+            sync_timeout=engine.sync_timeout,
+            on_nonfinite=engine.on_nonfinite,
+            check_replicas_every=engine.check_replicas_every,
+            fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
+            trace=self.trace,
+            site_hooks=tuple(engine._site_hooks),
+            first_bucket_bytes=first_bucket_bytes,
+            bucket_cap_bytes=bucket_cap_bytes,
+            streams=streams,
+        )
+        self._shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
+        self._shard_sends = [send for send, _ in self._shard_streams]
+        # Worker threads start with their first job, so nothing below needs cleanup until the group runs.
+        for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
+            # Bucket buffers are allocated on the compute stream that uses them.
+            with streams.compute_stream(index):
+                self._actors.append(
+                    DeviceActor(
+                        index=index,
+                        spec=spec,
+                        replica=replica.module,
+                        optimizer=replica.optimizer,
+                        context=context,
+                        scheduler=replica.scheduler,
+                        scaler=replica.scaler,
+                    )
+                )
+        first_actor = self._actors[0]
+        self._rebuild = PlanRebuild(
+            context, lambda: first_actor.readiness.order, runtime.agree_order if runtime is not None else None
+        )
+        agreement: StepAgreement = (
+            ProcessGroupAgreement(runtime, len(plan.names), self._process_local) if runtime is not None else LocalAgreement()
+        )
+        self._server = SyncServer(
+            mailbox=self._server_mailbox,
+            context=context,
+            devices=self._actors,
+            buffers=self._buffers,
+            collective=self._collective,
+            agreement=agreement,
+            rebuild=self._rebuild,
+        )
+        self._open = True
+
+    # -- life: serve -----------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        """Run the server, the actors and (across processes) the peer watcher until the session ends.
+
+        A failure is settled here (threads stopped, the failure picked,
+        reported to peers, given its checkpoint); a waiting :meth:`step`
+        then raises it, otherwise it is raised into the task group, which
+        cancels the user's code.
+        """
+        assert self._server is not None
+        try:
+            async with anyio.create_task_group() as group:
+                if self._runtime is not None:
+                    group.start_soon(self._watch_peers)
+                async with anyio.create_task_group() as work:
+                    work.start_soon(self._server.run)
+                    for actor, (_, receive) in zip(self._actors, self._shard_streams):
+                        work.start_soon(actor.run, receive)
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as errors:
+            if is_cancellation(errors):
+                raise
+            failure = await self._settle(errors)
+        else:
+            return
+        self._fail(failure)
+        waiting = self._stepping
+        if self._session_mailbox is not None:
+            self._session_mailbox.discard()
+        if not waiting:
+            raise failure
+
+    async def _watch_peers(self) -> None:
+        """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`.
+
+        A rank that left its session normally is a failure only for a step
+        it never took part in: it is noted, and the next step past it raises.
+        """
+        runtime, setup, loop = self._runtime, self._setup, self._loop_handle()
+        assert runtime is not None and setup is not None
+        arrived = anyio.Event()
+        reports: list[FailureReport] = []
+
+        def deliver(report: FailureReport) -> None:
+            reports.append(report)
+            arrived.set()
+
+        # Starting the watcher opens a store connection: not on the event loop.
+        await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
+        await arrived.wait()
+        report = reports[0]
+        if report.error_type == _DEPARTED and not (self._stepping and self._next_step > report.step):
+            self._peer_left = report
+            return
+        raise peer_failed(report)
+
+    def _stop_serving(self) -> None:
+        """End the data: actors finish what they hold, the server closes them, serving returns."""
+        for send in self._shard_sends:
+            send.close()
+        if self._server_mailbox is not None:
+            self._server_mailbox.try_post(Close("end of session"))
+
+    # -- life: close ---------------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        """Stop every actor and thread of the session (not the process group). Idempotent."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        self._open = False
+        self._abort.set()
+        for send, receive in self._shard_streams:
+            send.close()
+            receive.close()
+        for mailbox in (self._server_mailbox, self._session_mailbox):
+            if mailbox is not None:
+                mailbox.discard()
+        workers = []
+        for actor in self._actors:
+            actor.close()
+            actor.mailbox.discard()
+            workers.append(actor.worker)
+        if self._server is not None and self._streams is not None:
+            streams = self._streams
+            # The last job of the communication thread waits for every stream's queued
+            # work (a host sync, so never on the event loop), before replica state is
+            # read and bucket buffers are freed.
+            self._server.comm.submit(lambda: streams.close(timeout=_THREAD_GRACE_S * 10), lambda outcome: None)
+            self._server.close()
+            workers.append(self._server.comm)
+        deadline = time.monotonic() + _THREAD_GRACE_S
+        for worker in workers:
+            await worker.join(max(0.0, deadline - time.monotonic()))
+        if self._collective is not None:
+            self._collective.close()
+
+    async def _settle(self, errors: BaseExceptionGroup[Any]) -> BaseException:
+        """The one exception a failed session raises: threads stopped first, then picked, reported, checkpointed."""
+        await self._teardown()
+        # Devices that failed while the group was already ending had their
+        # tasks cancelled before they could raise; their failures were kept on the actor.
+        late = [actor.failure for actor in self._actors if actor.failure is not None]
+        failure = first_failure(errors, late)
+        runtime = self._runtime
+        if runtime is not None and isinstance(failure, GsyncError):
+            # Publish this rank's failure before looking for a peer's, so two
+            # ranks whose collective failed do not each wait for the other.
+            await self._report(failure)
+            if isinstance(failure, (SyncFailed, SyncTimeout)):
+                failure = await self._in_setup(lambda: runtime.blame_peer(failure), failure)
+        if isinstance(failure, GsyncError):
+            self._attach_checkpoint(failure)
+        return failure
+
+    async def _report(self, failure: GsyncError) -> None:
+        runtime = self._runtime
+        if runtime is None or failure is self._reported or isinstance(failure, PeerFailed):
+            return
+        self._reported = failure
+        await self._in_setup(lambda: runtime.report(failure), None)
+
+    async def _announce_departure(self) -> None:
+        runtime = self._runtime
+        if runtime is None:
+            return
+        last = self._next_step - 1
+        notice = FailureReport(
+            runtime.session.rank, "", -1, last, "session", _DEPARTED,
+            f"it left its session after step {last} while this rank went on; every rank must run the same steps",
+        )
+        await self._in_setup(lambda: runtime.board.report(notice), None)
+
+    async def _in_setup(self, job: Callable[[], Any], default: Any) -> Any:
+        """Run a store or group job in the setup thread, bounded and shielded (teardown must finish)."""
+        setup = self._setup
+        if setup is None:
+            return default
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
+            return await setup.run(job)
+        return default
+
+    async def _close(self) -> None:
+        """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
+        self._ended = True
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
+            if self._runtime is not None:
+                await self._in_setup(self._runtime.close, None)
+            if self._setup is not None:
+                self._setup.stop()
+                await self._setup.join(_THREAD_GRACE_S)
+
+    def _finish(self) -> None:
+        """After a clean end: the model passed in receives the first replica's parameters and buffers."""
+        if self._actors:
+            with torch.no_grad():
+                self.model.load_state_dict(self._actors[0].replica.state_dict())
+
+    def _attach_checkpoint(self, failure: GsyncError) -> None:
+        """Give ``failure`` the most advanced consistent state any replica still holds."""
+        if not self._actors:
+            return
+        try:
+            checkpoint = self._last_consistent()
+        except Exception as error:  # noqa: BLE001 - the original failure matters more
+            failure.add_note(f"gsync could not capture a checkpoint: {error!r}")
+            return
+        failure.checkpoint = checkpoint
+        failure.last_step = checkpoint.step if checkpoint.step >= 0 else None
+
+    def _last_consistent(self) -> Checkpoint:
+        # A replica whose optimizer step was interrupted is half-updated; every
+        # other replica holds the state after its own last applied step, and
+        # each such step was reduced on every device before it was applied.
+        clean = [actor for actor in self._actors if not actor.optimizer_dirty]
+        if not clean:
+            raise RuntimeError("every replica was interrupted inside its optimizer step")
+        best = max(clean, key=lambda actor: actor.applied_step)
+        if best.applied_step < self.first_step:
+            if self._resume is not None:
+                return self._resume
+            return Checkpoint.capture(-1, self.model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)
+        buffers = self._buffers.snapshot(best.applied_step) if self._buffers is not None else None
+        return Checkpoint.capture(
+            best.applied_step, best.replica, best.optimizer, buffers, scheduler=best.scheduler, scaler=best.scaler
+        )
+
+
+@asynccontextmanager
+async def open_session(
+    engine: Engine, model: nn.Module, recipe: Recipe, *, resume: Checkpoint | None, process_local_data: bool
+) -> AsyncIterator[Session]:
+    """The life of one session around the user's block; see :meth:`gsync.Engine.session`."""
+    session = Session(engine, model, recipe, resume, process_local_data)
+    raised: BaseException | None = None
+    try:
+        try:
+            await session._start()
+            async with anyio.create_task_group() as group:
+                group.start_soon(session._serve)
+                try:
+                    yield session
+                finally:
+                    session._stop_serving()
+        except BaseExceptionGroup as errors:
+            raised = _pick(session, errors)
+        except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
+            raised = error
+        if raised is None:
+            if session._failure is None:
+                await session._announce_departure()
+                session._finish()
+        elif isinstance(raised, GsyncError):
+            if not isinstance(raised, SessionClosed) and raised is not session._failure:
+                session._fail(raised)
+            if raised.checkpoint is None and raised is session._failure:
+                session._attach_checkpoint(raised)
+            # Before the group goes down, so peers learn why instead of seeing connections close.
+            await session._report(raised)
+    finally:
+        await session._close()
+    if raised is not None:
+        raise raised
+
+
+def _pick(session: Session, errors: BaseExceptionGroup[Any]) -> BaseException:
+    """What the ``async with`` raises when its task group collected exceptions.
+
+    The session's own failure if it had one (the user's code was cancelled
+    because of it); else the user's exception, unchanged; else a cancellation.
+    """
+    flat = flatten(errors)
+    if session._failure is not None and any(e is session._failure for e in flat):
+        return session._failure
+    for error in flat:
+        if not is_cancellation(error):
+            return error
+    if session._failure is not None:
+        return session._failure
+    return flat[0] if flat else errors
+
+
+async def _iterate(data: Iterable[Any] | AsyncIterable[Any], loop: LoopHandle) -> AsyncIterator[Any]:
+    """The batches of ``data``: lists directly, async iterables awaited, other iterables advanced in a thread."""
+    if isinstance(data, (list, tuple)):
+        for batch in data:
+            yield batch
+        return
+    if isinstance(data, AsyncIterable):
+        async for batch in data:
+            yield batch
+        return
+    if not isinstance(data, Iterable) or isinstance(data, torch.Tensor):
+        raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
+    worker = WorkerThread("gsync-data", loop)
+    end = object()
+    try:
+        iterator = await worker.run(lambda: iter(data))
+        while (batch := await worker.run(lambda: next(iterator, end))) is not end:
+            yield batch
+    finally:
+        worker.stop()
+        await worker.join(_THREAD_GRACE_S)
+
+
+def _local_collective(engine: Engine, streams: StreamSync) -> Collective:
+    """In-process arithmetic for CPU devices; NCCL on the comm streams for CUDA devices."""
+    if isinstance(streams, CudaStreamSync):
+        return NcclCollective([spec.torch_device for spec in engine.devices], streams)
+    return LocalCollective(len(engine.devices))
+
