@@ -186,6 +186,10 @@ class DeviceActor:
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if not forward_posted:
             self._post_forward_done(loss_share, skip)
+        if batches > 1:
+            # Parameters that got gradients in earlier batches but not in the
+            # last backward were left with grad None by its release().
+            self.grads.attach()
         self._post_unfinished()
 
     def _post_forward_done(self, loss_share: float, skip: bool) -> None:

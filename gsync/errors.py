@@ -179,7 +179,10 @@ class PeerFailed(FitError):
 
     ``rank``, ``device``, ``step`` and ``site`` say where it failed;
     ``error_type`` and ``remote_message`` are its original exception's type
-    name and message (the exception itself lives in the other process).
+    name and message (the exception itself lives in the other process). A
+    rank that left its session normally while this one started another step
+    is reported the same way, with ``error_type`` ``"SessionClosed"`` and
+    ``step`` its last step.
     """
 
     def __init__(
@@ -192,13 +195,17 @@ class PeerFailed(FitError):
         remote_message: str,
         device_index: int = -1,
     ) -> None:
-        if device:
-            where = f"worker on device {device} failed at step {step} during {site}"
-        elif step >= 0:
-            where = f"{site} failed at step {step}"
+        if error_type == "SessionClosed":
+            # Not a failure of the peer: it ended its loop while this rank went on.
+            super().__init__(f"rank {rank} left its session after step {step}: {remote_message}")
         else:
-            where = f"{site} failed"
-        super().__init__(f"rank {rank} failed: {where}: {error_type}: {remote_message}")
+            if device:
+                where = f"worker on device {device} failed at step {step} during {site}"
+            elif step >= 0:
+                where = f"{site} failed at step {step}"
+            else:
+                where = f"{site} failed"
+            super().__init__(f"rank {rank} failed: {where}: {error_type}: {remote_message}")
         self.rank = rank
         self.device = device
         self.device_index = device_index

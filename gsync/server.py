@@ -72,6 +72,8 @@ class SyncServer:
         self.skipped_steps: list[int] = []
         self.reduced_bytes = 0
         """Bytes of bucket buffers all-reduced, per device (written by the communication thread)."""
+        self.failure: GsyncError | None = None
+        """The first gsync error a communication job raised (e.g. the agreement's ConfigError)."""
         self._context = context
         self._devices = list(devices)
         self._buffers = buffers
@@ -104,7 +106,8 @@ class SyncServer:
                         await self._sync_step(message)
                     case Close():
                         for device in self._devices:
-                            device.mailbox.post(Close("end of data"))
+                            # A device whose mailbox is closed has already ended.
+                            device.mailbox.try_post(Close("end of data"))
                         return
                     case _:
                         raise SyncFailed(-1, None, f"protocol error: {message!r} outside any step")
@@ -252,6 +255,11 @@ class SyncServer:
         # Runs on the loop after the server may already be gone (fit cancelled):
         # try_post, so a late completion is dropped instead of raising in a callback.
         if outcome.error is not None:
+            if isinstance(outcome.error, GsyncError) and self.failure is None:
+                # Kept for the session even if the server is already gone: the
+                # agreement's ConfigError is raised on every rank alike, and must
+                # not lose to a peer's report of the same error.
+                self.failure = outcome.error
             self._comm_errors[(step, bucket)] = outcome.error
             self.mailbox.try_post(CommFailed(step, bucket))
         elif bucket == _FINISH:

@@ -228,41 +228,48 @@ class Session:
             return loss_fn(model, shard)
 
         fn = metric_fn if metric_fn is not None else loss
-        sums: dict[str, float] = {}
-        rows_seen = 0
         self._stepping = True
+        failure: BaseException | None = None
         try:
-            async for batch in _iterate(data, self._loop_handle()):
-                rows = batch_rows(batch, self._next_step)
-                counts, shards = self._split_one(batch, rows)
-                async with anyio.create_task_group() as group:
-                    results: list[dict[str, float]] = [{} for _ in self._actors]
-
-                    async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
-                        results[index] = await actor.evaluate(shard, count, fn)
-
-                    for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
-                        group.start_soon(run, index, actor, shard, count)
-                for values in results:
-                    for name, value in values.items():
-                        sums[name] = sums.get(name, 0.0) + value
-                rows_seen += sum(counts)
-            if rows_seen == 0 and self._runtime is None:
-                raise ConfigError("evaluate() got no batch: data yielded nothing")
-            names = sorted(sums)
-            totals = torch.tensor([sums[name] for name in names] + [float(rows_seen)], dtype=torch.float64)
-            if self._runtime is not None:
-                totals = await self._collective_job(lambda: self._runtime.all_reduce(totals, "sum"))  # type: ignore[union-attr]
+            names, totals = await self._evaluate(data, fn)
         except BaseExceptionGroup as errors:
-            raise self._fail(first_failure(errors)) from None
+            failure = first_failure(errors)
         except GsyncError as error:
-            raise self._fail(error) from None
+            failure = error
         finally:
             self._stepping = False
+        if failure is not None:
+            raise self._fail(failure)
         total_rows = float(totals[-1])
         if total_rows == 0:
-            raise ConfigError("evaluate() got no rows on any rank: data yielded nothing")
+            raise ConfigError("evaluate() got no rows: data yielded nothing")
         return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
+
+    async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
+        """Row-weighted metric sums over every batch and local device, then over every process."""
+        sums: dict[str, float] = {}
+        rows_seen = 0
+        async for batch in _iterate(data, self._loop_handle()):
+            rows = batch_rows(batch, self._next_step)
+            counts, shards = self._split_one(batch, rows)
+            results: list[dict[str, float]] = [{} for _ in self._actors]
+
+            async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
+                results[index] = await actor.evaluate(shard, count, fn)
+
+            async with anyio.create_task_group() as group:
+                for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
+                    group.start_soon(run, index, actor, shard, count)
+            for values in results:
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0.0) + value
+            rows_seen += sum(counts)
+        names = sorted(sums)
+        totals = torch.tensor([sums[name] for name in names] + [float(rows_seen)], dtype=torch.float64)
+        runtime = self._runtime
+        if runtime is not None:
+            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"))
+        return names, totals
 
     async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
         """Combine one value per *process* (not per device) over every process; returned as is in one process.
@@ -285,12 +292,15 @@ class Session:
             return value
         tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)  # type: ignore[union-attr]
         self._stepping = True
+        failure: GsyncError | None = None
         try:
             reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op))
         except GsyncError as error:
-            raise self._fail(error) from None
+            failure = error
         finally:
             self._stepping = False
+        if failure is not None:
+            raise self._fail(failure)
         if op == "mean":
             reduced = reduced / self.world_size
         return reduced if is_tensor else float(reduced)
@@ -370,7 +380,10 @@ class Session:
             try:
                 message = await mailbox.receive()
             except MailboxClosed:
-                raise self._failure or SessionClosed("the session closed during a step") from None
+                message = None
+            if message is None:
+                # Closed by _serve once a failure is settled: raise that failure itself.
+                raise self._failure or SessionClosed("the session closed during a step")
             if message.step != step:
                 raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
             first = first or message
@@ -592,9 +605,10 @@ class Session:
         for send, receive in self._shard_streams:
             send.close()
             receive.close()
-        for mailbox in (self._server_mailbox, self._session_mailbox):
-            if mailbox is not None:
-                mailbox.discard()
+        if self._server_mailbox is not None:
+            self._server_mailbox.discard()
+        # The session mailbox stays open: a step waiting on it learns of a
+        # failure only once the failure is settled (see _serve).
         workers = []
         for actor in self._actors:
             actor.close()
@@ -620,6 +634,8 @@ class Session:
         # Devices that failed while the group was already ending had their
         # tasks cancelled before they could raise; their failures were kept on the actor.
         late = [actor.failure for actor in self._actors if actor.failure is not None]
+        if self._server is not None and self._server.failure is not None:
+            late.append(self._server.failure)
         failure = first_failure(errors, late)
         runtime = self._runtime
         if runtime is not None and isinstance(failure, GsyncError):
@@ -646,7 +662,7 @@ class Session:
         last = self._next_step - 1
         notice = FailureReport(
             runtime.session.rank, "", -1, last, "session", _DEPARTED,
-            f"it left its session after step {last} while this rank went on; every rank must run the same steps",
+            "this rank started another step; every rank must run the same number of steps in a session",
         )
         await self._in_setup(lambda: runtime.board.report(notice), None)
 
@@ -664,6 +680,8 @@ class Session:
         self._ended = True
         with anyio.CancelScope(shield=True):
             await self._teardown()
+            if self._session_mailbox is not None:
+                self._session_mailbox.discard()
             if self._runtime is not None:
                 await self._in_setup(self._runtime.close, None)
             if self._setup is not None:
@@ -720,7 +738,9 @@ async def open_session(
                 group.start_soon(session._serve)
                 try:
                     yield session
-                finally:
+                except BaseException:
+                    raise  # the group cancels everything: nothing to end gracefully
+                else:
                     session._stop_serving()
         except BaseExceptionGroup as errors:
             raised = _pick(session, errors)

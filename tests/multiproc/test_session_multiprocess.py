@@ -1,0 +1,162 @@
+"""Sessions across 2 real processes (gloo on loopback): the recipe, evaluate, all_reduce, and ranks that diverge."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
+from harness import run_ranks  # noqa: E402
+from test_recipes import plain_loop, step_lr  # noqa: E402
+
+GROUPS = 3  # steps, each accumulating 2 batches
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def recipe_everywhere() -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(2 * GROUPS, 19)
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=30)
+        trained = copy.deepcopy(model)
+        async with engine.session(trained, optimizer=sgd, loss_fn=classification_loss, scheduler=step_lr, clip_grad_norm=0.05) as session:
+            results = [await session.step(batches[2 * i], batches[2 * i + 1]) for i in range(GROUPS)]
+            out["evaluate"] = await session.evaluate(make_batches(2, 13, seed=3))
+            out["sum"] = await session.all_reduce(float(rank + 1))
+            out["mean"] = await session.all_reduce(torch.tensor([rank, 10.0]), op="mean")
+            out["max"] = await session.all_reduce(float(rank), op="max")
+            out["min"] = await session.all_reduce(float(rank), op="min")
+            out["world"] = (session.rank, session.world_size)
+            # Process-local data: each rank evaluates its own half of the rows.
+        out["losses"] = [r.loss for r in results]
+        out["lrs"] = [r.lr for r in results]
+        out["norms"] = [r.grad_norm for r in results]
+        out["state"] = _state(trained)
+        eval_model = copy.deepcopy(trained)
+        local = gsync.Engine(["cpu"], sync_timeout=30)
+        async with local.session(eval_model, optimizer=sgd, loss_fn=classification_loss, process_local_data=True) as session:
+            out["local_evaluate"] = await session.evaluate([tuple(t[rank::2] for t in b) for b in make_batches(2, 14, seed=3)])
+
+    asyncio.run(main())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_session_recipe_across_processes_matches_a_plain_loop() -> None:
+    results = run_ranks(recipe_everywhere, 2, timeout=100, check=True)
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(2 * GROUPS, 19)
+    expected, losses, lrs, norms = plain_loop(
+        model, [batches[2 * i : 2 * i + 2] for i in range(GROUPS)], scheduler=step_lr, clip=0.05
+    )
+    reference = _state(expected)
+    val = make_batches(2, 13, seed=3)
+    expected.eval()
+    with torch.no_grad():
+        val_loss = sum(float(classification_loss(expected, b)) * 13 for b in val) / 26
+        local_val = make_batches(2, 14, seed=3)
+        local_loss = sum(float(classification_loss(expected, b)) * 14 for b in local_val) / 28
+    for result in results:
+        out = result.value
+        for name, value in out["state"].items():
+            torch.testing.assert_close(value, reference[name], atol=2e-5, rtol=0, msg=f"rank {result.rank} {name}")
+        assert out["losses"] == pytest.approx(losses, abs=2e-5)
+        assert out["lrs"] == pytest.approx(lrs)
+        assert out["norms"] == pytest.approx(norms, rel=1e-5)
+        assert out["evaluate"]["loss"] == pytest.approx(val_loss, abs=1e-5)
+        assert out["local_evaluate"]["loss"] == pytest.approx(local_loss, abs=1e-5)
+        assert out["sum"] == 3.0
+        assert out["mean"].tolist() == [0.5, 10.0]
+        assert (out["max"], out["min"]) == (1.0, 0.0)
+        assert out["world"] == (result.rank, 2)
+
+
+def rank_1_leaves_early() -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    batches = make_batches(4, 8)
+    steps = 2 if rank == 1 else 4
+    started = time.monotonic()
+    done = []
+
+    async def main() -> None:
+        engine = gsync.Engine(["cpu"], sync_timeout=20)
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            for batch in batches[:steps]:
+                done.append((await session.step(batch)).step)
+
+    try:
+        asyncio.run(main())
+    except gsync.GsyncError as error:
+        return {"type": type(error).__name__, "message": str(error), "done": done, "elapsed": time.monotonic() - started}
+    return {"type": None, "done": done}
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_leaves_its_session_early_makes_a_peer_starting_a_step_raise() -> None:
+    peer, left = run_ranks(rank_1_leaves_early, 2, timeout=80, check=True)
+    assert left.value == {"type": None, "done": [0, 1]}
+    assert peer.value["type"] == "PeerFailed", peer.value
+    assert "rank 1 left its session after step 1" in peer.value["message"]
+    assert peer.value["done"] == [0, 1]
+    assert peer.value["elapsed"] < 20  # never waits out sync_timeout in a collective
+
+
+def failure_while_rank_0_waits_between_steps() -> dict[str, Any]:
+    import anyio
+
+    import gsync
+    import gsync.testing
+
+    rank = int(os.environ["RANK"])
+    engine = gsync.Engine(["cpu"], sync_timeout=20)
+    faults = [gsync.testing.fail(0, 1, "forward", error=RuntimeError("boom on rank 1"))] if rank == 1 else []
+    reached = []
+
+    async def main() -> None:
+        with gsync.testing.inject(engine, *faults):
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                await session.step(make_batches(1, 8)[0])
+                if rank == 0:
+                    reached.append("waiting")
+                    await anyio.sleep(60)  # the user's code, doing something else between steps
+                    reached.append("not cancelled")
+                else:
+                    await session.step(make_batches(1, 8)[0])
+
+    started = time.monotonic()
+    try:
+        asyncio.run(main())
+    except gsync.GsyncError as error:
+        return {"type": type(error).__name__, "message": str(error), "reached": reached, "elapsed": time.monotonic() - started}
+    return {"type": None, "reached": reached}
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_failure_between_steps_cancels_the_users_code() -> None:
+    waiting, failed = run_ranks(failure_while_rank_0_waits_between_steps, 2, timeout=80, check=True)
+    assert failed.value["type"] == "WorkerFailed"
+    assert waiting.value["type"] == "PeerFailed" and "boom on rank 1" in waiting.value["message"]
+    assert waiting.value["reached"] == ["waiting"]
+    assert waiting.value["elapsed"] < 20

@@ -1,0 +1,223 @@
+"""Recipe features (schedules, clipping, accumulation, mixed precision) against the same recipe as a plain loop.
+
+Each test writes the plain single-process PyTorch loop on the full global
+batches, then runs the same recipe through ``session.step`` and ``fit``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gsync
+from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd
+
+pytestmark = pytest.mark.asyncio
+
+DEVICES = {1: ["cpu"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int = 3, total: int = 10) -> Any:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def plain_loop(
+    model: nn.Module,
+    steps: Sequence[Sequence[Any]],
+    *,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = sgd,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    clip: float | None = None,
+    autocast: torch.dtype | None = None,
+) -> tuple[nn.Module, list[float], list[float], list[float]]:
+    """The recipe as a plain loop: each step accumulates its batches' mean-loss gradients (divided by their count)."""
+    model = copy.deepcopy(model)
+    opt = optimizer([p for p in model.parameters() if p.requires_grad])
+    sched = scheduler(opt) if scheduler is not None else None
+    losses, lrs, norms = [], [], []
+    for batches in steps:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in batches:
+            with torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False):
+                loss = classification_loss(model, batch)
+            (loss / len(batches)).backward()
+            total += loss.item() / len(batches)
+        lrs.append(opt.param_groups[0]["lr"])
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(total)
+    return model, losses, lrs, norms
+
+
+async def session_loop(engine: gsync.Engine, model: nn.Module, steps: Sequence[Sequence[Any]], **recipe: Any) -> tuple[nn.Module, list[gsync.StepResult], gsync.Checkpoint]:
+    model = copy.deepcopy(model)
+    results = []
+    async with engine.session(model, loss_fn=classification_loss, **recipe) as session:
+        for batches in steps:
+            results.append(await session.step(*batches))
+        checkpoint = session.checkpoint()
+    return model, results, checkpoint
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+async def test_lr_schedule_matches_a_plain_loop_and_is_checkpointed(num_devices: int) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(6, 31)]
+    expected, losses, lrs, _ = plain_loop(model, steps, scheduler=step_lr)
+    engine = gsync.Engine(DEVICES[num_devices])
+    trained, results, checkpoint = await session_loop(engine, model, steps, optimizer=sgd, scheduler=step_lr)
+    assert_same_state(trained, expected)
+    assert [r.lr for r in results] == pytest.approx(lrs)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=2e-5)
+    assert checkpoint.scheduler_state is not None and checkpoint.scheduler_state["last_epoch"] == 6
+    fitted = await engine.fit(copy.deepcopy(model), [b for [b] in steps], optimizer=sgd, loss_fn=classification_loss, scheduler=step_lr)
+    assert_same_state(fitted.model, expected)
+    assert [record.lr for record in fitted.history] == pytest.approx(lrs)
+
+
+async def test_a_resumed_session_continues_the_schedule_exactly() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(6, 16)]
+    expected, _, lrs, _ = plain_loop(model, steps, scheduler=step_lr)
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    _, _, halfway = await session_loop(engine, model, steps[:3], optimizer=sgd, scheduler=step_lr)
+    resumed = copy.deepcopy(model)
+    async with engine.session(resumed, optimizer=sgd, loss_fn=classification_loss, scheduler=step_lr, resume=halfway) as session:
+        assert session.next_step == 3
+        results = [await session.step(*batches) for batches in steps[3:]]
+    assert [r.step for r in results] == [3, 4, 5]
+    assert [r.lr for r in results] == pytest.approx(lrs[3:])
+    assert_same_state(resumed, expected)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+async def test_clipping_clips_the_reduced_gradient_like_one_device(num_devices: int) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(5, 31)]
+    expected, _, _, norms = plain_loop(model, steps, clip=0.05)
+    assert all(norm > 0.05 for norm in norms)  # the clip really clips
+    engine = gsync.Engine(DEVICES[num_devices])
+    trained, results, _ = await session_loop(engine, model, steps, optimizer=sgd, clip_grad_norm=0.05)
+    assert_same_state(trained, expected)
+    assert [r.grad_norm for r in results] == pytest.approx(norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+async def test_accumulation_is_exact_and_moves_bytes_once_per_step(num_devices: int) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    # Uneven batches of different sizes: each batch's weight is its own.
+    batches = make_batches(8, 13) + make_batches(4, 19, seed=1)
+    steps = [batches[i : i + 4] for i in range(0, 12, 4)]
+    expected, losses, _, _ = plain_loop(model, steps)
+    engine = gsync.Engine(DEVICES[num_devices], first_bucket_mb=0.01, bucket_cap_mb=0.02)
+    trained = copy.deepcopy(model)
+    async with engine.session(trained, optimizer=sgd, loss_fn=classification_loss) as session:
+        results = [await session.step(*group) for group in steps]
+        stats = session.stats
+    assert_same_state(trained, expected)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=2e-5)
+    assert [r.rows for r in results] == [52, 52 + 0 * 1, 76]
+    # The first three backward passes of each step posted nothing and reduced nothing.
+    assert stats.bucket_ready_messages == len(steps) * num_devices * stats.buckets
+    assert stats.reduced_bytes == len(steps) * sum(stats.bucket_sizes)
+
+
+async def test_fit_accumulates_and_drops_a_trailing_partial_group_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(10, 16)
+    expected, losses, _, _ = plain_loop(model, [batches[0:4], batches[4:8]])
+    with pytest.warns(UserWarning, match="2 batch\\(es\\) that do not fill a step of accumulate=4"):
+        result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+            copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, accumulate=4
+        )
+    assert_same_state(result.model, expected)
+    assert result.losses == pytest.approx(losses, abs=2e-5)
+    assert result.stats.reduced_bytes == 2 * sum(result.stats.bucket_sizes)
+
+
+async def test_adamw_with_warmup_cosine_and_clipping_matches_on_losses() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(10, 24)]
+    _, losses, lrs, _ = plain_loop(model, steps, optimizer=adamw, scheduler=warmup_cosine, clip=1.0)
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"])
+    _, results, _ = await session_loop(engine, model, steps, optimizer=adamw, scheduler=warmup_cosine, clip_grad_norm=1.0)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=1e-4)
+    assert [r.lr for r in results] == pytest.approx(lrs)
+
+
+async def test_bf16_autocast_matches_a_plain_bf16_loop() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(5, 32)]
+    _, losses, _, _ = plain_loop(model, steps, autocast=torch.bfloat16)
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    trained, results, _ = await session_loop(engine, model, steps, optimizer=sgd, autocast=torch.bfloat16)
+    # bf16 rounds each shard's matmuls on its own: equal to bf16 precision, not bit for bit.
+    assert [r.loss for r in results] == pytest.approx(losses, abs=1e-3)
+    assert all(p.dtype == torch.float32 for p in trained.parameters())
+
+
+class InfGradOnMarkedRows(torch.autograd.Function):
+    """Identity forward; backward gives +inf gradients when the shard holds a marked row."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, marked: bool) -> torch.Tensor:
+        ctx.marked = marked
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (torch.full_like(grad, math.inf) if ctx.marked else grad), None
+
+
+def loss_with_inf_grad_on_marked_rows(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    marked = bool((x[:, 0] == 1000.0).any())
+    logits = InfGradOnMarkedRows.apply(model(x.clamp(max=10.0)), marked)
+    return torch.nn.functional.cross_entropy(logits, y)
+
+
+async def test_fp16_grad_scalers_agree_when_one_device_overflows() -> None:
+    torch.manual_seed(0)
+    batches = make_batches(4, 8)
+    x, y = batches[1]
+    x = x.clone()
+    x[-1, 0] = 1000.0  # the last row lands on device 1 only
+    batches[1] = (x, y)
+    engine = gsync.Engine(["cpu:0", "cpu:1"], check_replicas_every=1)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=loss_with_inf_grad_on_marked_rows, autocast=torch.float16) as session:
+        results = [await session.step(batch) for batch in batches]
+        scales = [actor.scaler.get_scale() for actor in session._actors]  # type: ignore[union-attr]
+        checkpoint = session.checkpoint()
+    assert [r.skipped for r in results] == [False, True, False, False]
+    assert scales[0] == scales[1] == 65536.0 / 2
+    assert checkpoint.scaler_state is not None and checkpoint.scaler_state["scale"] == 32768.0

@@ -1,0 +1,306 @@
+"""The open loop: a session's life, its errors, evaluate and all_reduce; fit's callbacks and history."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from torch import nn
+
+import gsync
+import gsync.testing
+from conftest import (
+    Normed,
+    TiedNet,
+    assert_no_tasks_left,
+    assert_same_state,
+    classification_loss,
+    gsync_threads,
+    make_batches,
+    sgd,
+    train_reference,
+)
+
+pytestmark = pytest.mark.asyncio
+
+TWO = ["cpu:0", "cpu:1"]
+
+
+async def test_a_session_loop_equals_fit_and_writes_the_weights_back(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(5, 31)
+    expected, expected_losses = train_reference(model, batches)
+    engine = gsync.Engine(TWO)
+    trained = copy.deepcopy(model)
+    async with engine.session(trained, optimizer=sgd, loss_fn=classification_loss) as session:
+        results = [await session.step(batch) for batch in batches]
+        assert_same_state(trained, model, atol=0)  # only written back when the block ends
+    assert_same_state(trained, expected)
+    assert [r.step for r in results] == [0, 1, 2, 3, 4]
+    assert [r.loss for r in results] == pytest.approx(expected_losses, abs=2e-5)
+    assert all(r.rows == 31 and r.seconds > 0 and r.lr == 0.1 for r in results)
+    fitted = await engine.fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
+    assert_same_state(fitted.model, trained, atol=0)
+    assert_no_tasks_left()
+
+
+async def test_using_a_session_after_its_block_says_so() -> None:
+    engine = gsync.Engine(TWO)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        await session.step(make_batches(1, 8)[0])
+    with pytest.raises(gsync.SessionClosed, match="after the session's async with block ended"):
+        await session.step(make_batches(1, 8)[0])
+    with pytest.raises(gsync.SessionClosed):
+        session.checkpoint()
+
+
+async def test_two_tasks_stepping_one_session_is_refused(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=1, step=0, site="backward")
+    with gsync.testing.inject(engine, fault):
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            async with anyio.create_task_group() as group:
+                group.start_soon(session.step, make_batches(1, 8)[0])
+                await anyio.to_thread.run_sync(fault.reached.wait, 10)
+                with pytest.raises(gsync.ConfigError, match="another task is inside step"):
+                    await session.step(make_batches(1, 8)[0])
+                fault.release.set()
+
+
+async def test_an_exception_in_the_users_body_propagates_unchanged_and_stops_everything(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    mine = KeyError("the user's own bug")
+    with pytest.raises(KeyError) as caught:
+        async with engine.session(model, optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(make_batches(1, 8)[0])
+            raise mine
+    assert caught.value is mine
+    assert_same_state(model, before, atol=0)
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    async with engine.session(model, optimizer=sgd, loss_fn=classification_loss) as again:
+        await again.step(make_batches(1, 8)[0])
+
+
+async def test_a_device_failure_raises_from_step_and_closes_the_session(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    batches = make_batches(4, 8)
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=2, site="backward")):
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(batches[0])
+            await session.step(batches[1])
+            with pytest.raises(gsync.WorkerFailed) as caught:
+                await session.step(batches[2])
+            failure = caught.value
+            assert failure.device_index == 1 and failure.step == 2 and failure.site == "backward"
+            assert isinstance(failure.__cause__, gsync.testing.InjectedFault)
+            assert failure.last_step == 1 and failure.checkpoint.step == 1
+            with pytest.raises(gsync.SessionClosed, match="failed") as closed:
+                await session.step(batches[3])
+            assert closed.value.__cause__ is failure
+    assert gsync_threads() == []
+
+
+async def test_an_uncaught_failure_leaves_the_block_as_itself() -> None:
+    engine = gsync.Engine(TWO)
+    with gsync.testing.inject(engine, gsync.testing.fail(device=0, step=1, site="optimizer")):
+        with pytest.raises(gsync.WorkerFailed) as caught:
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                for batch in make_batches(3, 8):
+                    await session.step(batch)
+    assert caught.value.step == 1 and caught.value.site == "optimizer"
+    # Device 1 may have applied step 1 before the abort reached it: then its state is the checkpoint.
+    assert caught.value.last_step in (0, 1) and caught.value.checkpoint.step == caught.value.last_step
+
+
+async def test_a_bad_batch_is_refused_before_anything_is_dispatched() -> None:
+    engine = gsync.Engine(TWO)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        x, y = make_batches(1, 8)[0]
+        with pytest.raises(gsync.ConfigError, match="disagree on their size"):
+            await session.step((x, y[:5]))
+        with pytest.raises(gsync.ConfigError, match="at least one batch"):
+            await session.step()
+        # Nothing was dispatched: the session goes on.
+        result = await session.step((x, y))
+    assert result.step == 0
+
+
+async def test_cancelling_a_session_stops_everything_and_the_engine_opens_another(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=0, step=1, site="forward")
+    with gsync.testing.inject(engine, fault):
+        with anyio.move_on_after(5) as scope:
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                await session.step(make_batches(1, 8)[0])
+                async with anyio.create_task_group() as group:
+                    group.start_soon(session.step, make_batches(1, 8)[0])
+                    await anyio.to_thread.run_sync(fault.reached.wait, 10)
+                    scope.cancel()
+    assert scope.cancelled_caught
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        await session.step(make_batches(1, 8)[0])
+
+
+async def test_one_session_or_fit_at_a_time_per_engine() -> None:
+    engine = gsync.Engine(TWO)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss):
+        with pytest.raises(gsync.ConfigError, match="already running"):
+            await engine.fit(TiedNet(), make_batches(1, 8), optimizer=sgd, loss_fn=classification_loss)
+
+
+def accuracy(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return (model(x).argmax(dim=1) == y).float().mean()
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3])
+async def test_evaluate_gives_global_row_weighted_means_in_eval_mode(num_devices: int) -> None:
+    torch.manual_seed(0)
+    model = Normed()
+    model.inp.eval()  # a submodule the user froze in eval mode stays so afterwards
+    val = make_batches(3, 13, seed=5)
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)])
+    async with engine.session(model, optimizer=sgd, loss_fn=classification_loss) as session:
+        await session.step(make_batches(1, 16)[0])
+        metrics = await session.evaluate(val)
+        named = await session.evaluate(val, metric_fn=accuracy)
+        both = await session.evaluate(iter(val), metric_fn=lambda m, b: {"acc": accuracy(m, b), "loss": classification_loss(m, b)})
+        reference = copy.deepcopy(session._actors[0].replica)
+    assert model.training and not model.inp.training and model.norm.training
+    reference.eval()
+    with torch.no_grad():
+        rows = sum(len(y) for _, y in val)
+        loss = sum(float(classification_loss(reference, b)) * len(b[1]) for b in val) / rows
+        acc = sum(float(accuracy(reference, b)) * len(b[1]) for b in val) / rows
+    assert metrics == {"loss": pytest.approx(loss, abs=1e-5)}
+    assert named == {"accuracy": pytest.approx(acc, abs=1e-6)}
+    assert both == {"acc": pytest.approx(acc, abs=1e-6), "loss": pytest.approx(loss, abs=1e-5)}
+
+
+async def test_evaluate_failure_is_a_worker_failure_and_closes_the_session() -> None:
+    def broken(model: nn.Module, batch: Any) -> torch.Tensor:
+        raise ValueError("metric bug")
+
+    engine = gsync.Engine(TWO)
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(make_batches(1, 8)[0])
+            await session.evaluate(make_batches(1, 8), metric_fn=broken)
+    assert caught.value.site == "evaluate" and isinstance(caught.value.__cause__, ValueError)
+    assert caught.value.checkpoint is not None and caught.value.checkpoint.step == 0
+
+
+async def test_all_reduce_in_one_process_returns_the_value_as_is() -> None:
+    engine = gsync.Engine(TWO)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        tensor = torch.arange(3.0)
+        assert await session.all_reduce(tensor) is tensor
+        assert await session.all_reduce(2.5, op="max") == 2.5
+        with pytest.raises(gsync.ConfigError, match="op must be"):
+            await session.all_reduce(1.0, op="product")  # type: ignore[arg-type]
+        with pytest.raises(gsync.InputTypeError):
+            await session.all_reduce("1.0")  # type: ignore[arg-type]
+    assert session.rank == 0 and session.world_size == 1
+
+
+class Recorder:
+    def __init__(self, stop_at: int | None = None) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.stop_at = stop_at
+
+    async def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+        self.calls.append(("step", result.step))
+        if self.stop_at == result.step:
+            raise gsync.StopTraining
+
+    def on_epoch_end(self, session: gsync.Session, epoch: int) -> None:
+        self.calls.append(("epoch", epoch))
+
+    async def on_fit_end(self, session: gsync.Session) -> None:
+        metrics = await session.evaluate(make_batches(1, 8))
+        self.calls.append(("end", round(metrics["loss"], 3) > 0))
+
+
+async def test_callbacks_run_in_order_between_steps() -> None:
+    recorder = Recorder()
+    result = await gsync.Engine(TWO).fit(
+        TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, epochs=2, callbacks=[recorder]
+    )
+    assert recorder.calls == [
+        ("step", 0), ("step", 1), ("step", 2), ("epoch", 0),
+        ("step", 3), ("step", 4), ("step", 5), ("epoch", 1),
+        ("end", True),
+    ]  # fmt: skip
+    assert [(r.step, r.epoch) for r in result.history] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
+    assert [r.loss for r in result.history] == result.losses
+    assert all(r.rows == 8 and r.lr == 0.1 and r.seconds > 0 for r in result.history)
+
+
+async def test_stop_training_ends_fit_early_with_the_steps_done(no_leaks: None) -> None:
+    recorder = Recorder(stop_at=3)
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(6, 8)
+    expected, _ = train_reference(model, batches[:4])
+    result = await gsync.Engine(TWO).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, callbacks=[recorder])
+    assert len(result.losses) == 4 and result.checkpoint.step == 3
+    assert recorder.calls[-1] == ("end", True)
+    assert_same_state(result.model, expected)
+
+
+async def test_any_other_callback_exception_propagates_unchanged(no_leaks: None) -> None:
+    boom = RuntimeError("callback bug")
+
+    class Failing:
+        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            if result.step == 1:
+                raise boom
+
+    with pytest.raises(RuntimeError) as caught:
+        await gsync.Engine(TWO).fit(TiedNet(), make_batches(4, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[Failing()])
+    assert caught.value is boom
+    assert_no_tasks_left()
+
+
+async def test_bad_callbacks_and_recipe_arguments_are_refused_up_front() -> None:
+    engine = gsync.Engine(TWO)
+    args: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)
+    with pytest.raises(gsync.InputTypeError, match="has none of on_step_end"):
+        await engine.fit(TiedNet(), make_batches(1, 8), callbacks=[object()], **args)
+    with pytest.raises(gsync.ConfigError, match="accumulate must be a positive int"):
+        await engine.fit(TiedNet(), make_batches(1, 8), accumulate=0, **args)
+    with pytest.raises(gsync.ConfigError, match="clip_grad_norm must be a positive"):
+        engine.session(TiedNet(), clip_grad_norm=-1.0, **args)
+    with pytest.raises(gsync.ConfigError, match="autocast must be"):
+        engine.session(TiedNet(), autocast=torch.float64, **args)
+    opt = sgd(list(TiedNet().parameters()))
+    with pytest.raises(gsync.InputTypeError, match="scheduler must be a factory"):
+        engine.session(TiedNet(), scheduler=torch.optim.lr_scheduler.StepLR(opt, 1), **args)
+
+
+async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="gsync")
+    await gsync.Engine(TWO).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss, progress=True)
+    assert any("step 0 (epoch 0): loss" in record.getMessage() for record in caplog.records)
+
+
+async def test_a_session_used_from_an_asyncio_task_group_too() -> None:
+    """Sessions are plain anyio: an asyncio.TaskGroup around them works as well."""
+    engine = gsync.Engine(TWO)
+    async with asyncio.TaskGroup() as group:
+        async def train() -> float:
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                return (await session.step(make_batches(1, 8)[0])).loss
+
+        task = group.create_task(train())
+    assert task.result() > 0
