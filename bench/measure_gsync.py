@@ -65,8 +65,12 @@ async def gsync_steps(
     first_bucket_mb: float = 1.0,
     threads: int | None = None,
     threads_mode: str = "main",
+    loop: str = "fit",
 ) -> dict[str, Any]:
     """(c) gsync on ``devices`` virtual CPU devices, reference workload.
+
+    ``loop`` is ``"fit"`` or ``"session"`` (a plain ``for`` loop awaiting
+    ``session.step`` per batch, as a user's own loop would).
 
     A first fit of ``warmup`` steps warms the process (allocator, OpenMP pools); a second,
     traced fit of ``steps`` steps is measured. Step time = period between consecutive
@@ -106,16 +110,22 @@ async def gsync_steps(
     probe.samples.clear()
     window = Window()
     started = time.perf_counter()
-    result = await engine.fit(model, data, optimizer=sgd, loss_fn=probed_loss)
+    if loop == "session":
+        async with engine.session(model, optimizer=sgd, loss_fn=probed_loss) as session:
+            for batch in data:
+                await session.step(batch)
+            trace, stats = session.trace, session.stats
+    else:
+        result = await engine.fit(model, data, optimizer=sgd, loss_fn=probed_loss)
+        trace, stats = result.trace, result.stats
     wall = time.perf_counter() - started
     win = window.stop()
     if original is not None:
         collective_cls.all_reduce = original  # type: ignore[union-attr]
-    assert result.trace is not None
-    summary = summarize_trace(result.trace.events)
+    assert trace is not None
+    summary = summarize_trace(trace.events)
     periods = summary["step_periods_us"]
     cpu_per_step, faults_per_step = probe.steady_state()
-    stats = result.stats
     return {
         "devices": devices,
         "bucket_cap_mb": bucket_cap_mb,

@@ -36,7 +36,7 @@ def _floor(configs: dict[str, Any]) -> tuple[str, float] | None:
 def step_ratios(configs: dict[str, Any]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     floor = _floor(configs)
-    for key, name in (("gsync", "gsync"), ("gsync_t1", "gsync(threads=1)")):
+    for key, name in (("gsync", "gsync"), ("gsync_session", "gsync session.step"), ("gsync_t1", "gsync(threads=1)")):
         if key not in configs:
             continue
         ms = configs[key]["median_ms"]
@@ -46,6 +46,8 @@ def step_ratios(configs: dict[str, Any]) -> dict[str, float]:
             ratios[f"{name} / DDP"] = ms / configs["ddp"]["median_ms"]
         if "plain" in configs:
             ratios[f"{name} / one process"] = ms / configs["plain"]["median_ms"]
+    if "gsync" in configs and "gsync_session" in configs:
+        ratios["session.step loop / fit"] = configs["gsync_session"]["median_ms"] / configs["gsync"]["median_ms"]
     if "ddp" in configs and "plain" in configs:
         ratios["DDP / one process"] = configs["ddp"]["median_ms"] / configs["plain"]["median_ms"]
     if floor and "plain" in configs:

@@ -9,7 +9,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
 
 - ``step``: reference MLP (784-2048-2048-2048-10, batch 256, SGD momentum) median ms/step for
   one plain process, the 2-replica compute floor (two threads, no sync), gsync on 2 CPU
-  devices, torch DDP gloo (2 processes x 1 thread), with ratios and gsync's trace analysis
+  devices (through ``fit`` and through a plain ``for`` loop over ``session.step``), torch DDP gloo
+  (2 processes x 1 thread), with ratios and gsync's trace analysis
 - ``memory``: peak RSS per configuration (each measured in its own fresh process)
 - ``control``: control-plane cost on 200 tiny parameter tensors (gsync minus the same work
   sequentially in one thread), messages per step
@@ -80,6 +81,7 @@ STEP_CONFIGS: tuple[tuple[str, str], ...] = (
     ("floor_t1", "floor: 2 threads x set_num_threads(1)"),
     ("floor_inherit", "floor: 2 threads, inherited threads"),
     ("gsync", "gsync 2 x cpu (default threads)"),
+    ("gsync_session", "gsync 2 x cpu, session.step loop"),
     ("gsync_t1", "gsync 2 x cpu, set_num_threads(1)"),
     ("ddp", "DDP gloo, 2 procs x 1 thread"),
 )
@@ -180,6 +182,8 @@ class Runner:
             return self.task(label, "floor", steps=steps, warmup=warmup, threads_per_replica=None)
         if key == "gsync":
             return self.task(label, "gsync", steps=steps, warmup=warmup)
+        if key == "gsync_session":
+            return self.task(label, "gsync", steps=steps, warmup=warmup, loop="session")
         if key == "gsync_t1":
             return self.task(label, "gsync", steps=steps, warmup=warmup, threads=1, threads_mode="main")
         if key == "ddp":

@@ -27,12 +27,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multiproc"))
 
 import test_engine_multiprocess as scenarios  # noqa: E402
+import test_session_multiprocess as session_scenarios  # noqa: E402
 from harness import RankResult, run_ranks  # noqa: E402
 
 Check = Callable[[list[RankResult]], str | None]
 
 
-def _expect(rank: int, *error_types: str) -> Check:
+def _expect(rank: int, *error_types: str | None) -> Check:
     def check(results: list[RankResult]) -> str | None:
         result = results[rank]
         if not result.returned or result.returncode != 0:
@@ -79,6 +80,14 @@ SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
         _all(_expect(0, "ConfigError"), _expect(1, "ConfigError")),
     ),
     "parameter mismatch": (scenarios.mismatched_model, _config_error_everywhere),
+    "session: rank 1 leaves early": (
+        session_scenarios.rank_1_leaves_early,
+        _all(_expect(0, "PeerFailed"), _expect(1, None)),
+    ),
+    "session: peer fails between steps": (
+        session_scenarios.failure_while_rank_0_waits_between_steps,
+        _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed")),
+    ),
 }
 
 

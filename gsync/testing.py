@@ -12,8 +12,9 @@ gsync's own failure handling sees real faults::
     assert caught.value.device_index == 1 and caught.value.step == 3
 
 Sites are the phases of a step: ``"data"`` (moving the shard to the device),
-``"forward"`` (model and ``loss_fn``), ``"backward"``, ``"optimizer"``, and
-``"all_reduce"`` (the communication thread, before a bucket's reduction;
+``"forward"`` (model and ``loss_fn``), ``"backward"``, ``"optimizer"``,
+``"evaluate"`` (a device's part of ``session.evaluate``; its step is the
+last step the device trained, -1 before the first), and ``"all_reduce"`` (the communication thread, before a bucket's reduction;
 ``device`` is ignored there). Each fault fires once, at its first match.
 """
 
@@ -30,8 +31,8 @@ from .engine import Engine
 
 __all__ = ("Fault", "InjectedFault", "fail", "stall", "inject", "Site")
 
-Site = Literal["data", "forward", "backward", "optimizer", "all_reduce"]
-_SITES = ("data", "forward", "backward", "optimizer", "all_reduce")
+Site = Literal["data", "forward", "backward", "optimizer", "evaluate", "all_reduce"]
+_SITES = ("data", "forward", "backward", "optimizer", "evaluate", "all_reduce")
 _COMM_DEVICE = -1
 
 

@@ -29,9 +29,11 @@ __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 # which names what is missing, fires first.
 _GROUP_TIMEOUT_MARGIN_S = 30.0
 # How long a rank whose collective failed waits for a peer's report before
-# blaming the collective: a peer that failed closes its connections at once,
-# which can beat its report to this rank's watcher.
-_PEER_REPORT_GRACE_S = 2.0
+# blaming the collective. A failed peer publishes its report before it closes
+# its group, so once its connections close the report is already in the store;
+# the grace only covers a slow store. A peer killed outright publishes nothing,
+# and every survivor waits this long on the way out.
+_PEER_REPORT_GRACE_S = 0.5
 
 
 class ProcessGroupRuntime:

@@ -1,0 +1,624 @@
+"""The sync server and the device actor, each tested alone through its mailbox.
+
+Each test builds one actor with real collaborators (mailboxes, bucket plan,
+LocalCollective, HostStreamSync, worker threads) and plays the part of its
+peers by posting and reading messages, keeping to the protocol the peers keep:
+whoever fills a bucket calls ``streams.mark_ready`` before posting
+``BucketReady``, whoever reduces it calls ``before_reduce``/``after_reduce``,
+and a device calls ``before_apply`` after ``StepSynced``.
+
+Nothing here waits with a sleep: progress is observed through messages, and
+"the server handled everything posted so far" through :class:`WatchedMailbox`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from anyio.streams.memory import MemoryObjectSendStream
+from torch import nn
+
+import gsync
+from gsync._threads import LoopHandle
+from gsync.actor import DeviceActor
+from gsync.agreement import LocalAgreement
+from gsync.buckets import BucketPlan
+from gsync.buffers import BufferSync
+from gsync.comm.local import LocalCollective
+from gsync.context import ActorContext, Recipe, Shard
+from gsync.devices import parse_devices
+from gsync.mailbox import Mailbox
+from gsync.messages import (
+    BucketReady,
+    Close,
+    DeviceMessage,
+    ForwardDone,
+    ServerMessage,
+    SessionMessage,
+    StepApplied,
+    StepDispatched,
+    StepSynced,
+)
+from gsync.server import SyncServer
+from gsync.streams import HostStreamSync, make_stream_sync
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
+
+M = TypeVar("M")
+
+# Generous bound on any single wait: a hang fails fast instead of at pytest's 60 s timeout.
+WAIT_S = 5.0
+
+
+class WatchedMailbox(Mailbox[M]):
+    """A mailbox that can tell when its reader has handled everything posted so far.
+
+    The reader calls ``receive`` again only once it is done with the previous
+    message, so "blocked in ``receive`` with nothing left to take" means every
+    message posted so far has been fully handled.
+    """
+
+    def __init__(self, owner: str, loop: LoopHandle) -> None:
+        super().__init__(owner, loop)
+        self.posted = 0
+        self.taken = 0
+        self._waiting = False
+        self._idle = anyio.Event()
+
+    def post(self, message: M) -> None:
+        super().post(message)
+        self.posted += 1
+
+    async def receive(self) -> M:
+        self._waiting = True
+        if self.taken == self.posted:
+            self._idle.set()
+        try:
+            message = await super().receive()
+        finally:
+            self._waiting = False
+        self.taken += 1
+        return message
+
+    async def settled(self) -> None:
+        """Wait until the reader has handled every message posted so far and waits for the next."""
+        with anyio.fail_after(WAIT_S):
+            while not (self._waiting and self.taken == self.posted):
+                self._idle = anyio.Event()
+                await self._idle.wait()
+
+
+def _dummy_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    raise AssertionError("the sync server never runs the loss")
+
+
+def _sgd(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+# -- A) the sync server ---------------------------------------------------------------------------------------------
+
+
+def server_plan() -> BucketPlan:
+    """Four 2-float parameters in three buckets: [p3], [p2, p1], [p0] (reverse registration order, 8 B then 16 B)."""
+    named = [(f"p{i}", torch.zeros(2)) for i in range(4)]
+    plan = BucketPlan.build(named, first_bucket_bytes=8, bucket_cap_bytes=16)
+    assert [b.params for b in plan.buckets] == [(3,), (2, 1), (0,)]
+    return plan
+
+
+class FakeDevice:
+    """A :class:`~gsync.context.DeviceEndpoint` whose bucket buffers the test owns.
+
+    The server asks for a bucket's buffers exactly when it launches that
+    bucket's reduction, so ``launched`` records the launches, in order, as
+    they happen on the loop.
+    """
+
+    def __init__(self, index: int, plan: BucketPlan, loop: LoopHandle) -> None:
+        self.index = index
+        self.name = f"fake:{index}"
+        self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {self.name}", loop)
+        self.buffers = [torch.zeros(bucket.numel) for bucket in plan.buckets]
+        self.launched: list[int] = []
+
+    def bucket_buffer(self, bucket: int) -> torch.Tensor:
+        self.launched.append(bucket)
+        return self.buffers[bucket]
+
+    def where(self) -> str:
+        return f"fake {self.index}, backward"
+
+
+@dataclass
+class ServerRig:
+    server: SyncServer
+    mailbox: WatchedMailbox[ServerMessage]
+    devices: list[FakeDevice]
+    context: ActorContext
+    trace: gsync.Trace
+
+    @property
+    def streams(self) -> HostStreamSync:
+        streams = self.context.streams
+        assert isinstance(streams, HostStreamSync)
+        return streams
+
+    def fill(self, step: int) -> None:
+        """Write step ``step``'s gradients into every device's buckets (as backward would)."""
+        for device in self.devices:
+            for bucket, buffer in enumerate(device.buffers):
+                buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype) + 1000 * step + 100 * device.index + 10 * bucket)
+
+    def ready(self, device: int, bucket: int, step: int = 0, unused: tuple[int, ...] = ()) -> None:
+        """What a device's gradient hook does: mark the bucket ready, then post ``BucketReady``."""
+        self.streams.mark_ready(device, bucket)
+        self.mailbox.post(BucketReady(device, step, bucket, unused))
+
+    async def synced(self, device: int) -> StepSynced:
+        """What a device does on ``StepSynced``: receive it, then ``before_apply``."""
+        with anyio.fail_after(WAIT_S):
+            message = await self.devices[device].mailbox.receive()
+        assert isinstance(message, StepSynced), message
+        self.streams.before_apply(device)
+        return message
+
+    def launches(self) -> list[int]:
+        assert self.devices[0].launched == self.devices[1].launched
+        return list(self.devices[0].launched)
+
+
+@asynccontextmanager
+async def server_rig(sync_timeout: float = WAIT_S) -> AsyncIterator[ServerRig]:
+    loop = LoopHandle()
+    plan = server_plan()
+    trace = gsync.Trace()
+    mailbox: WatchedMailbox[ServerMessage] = WatchedMailbox("sync server", loop)
+    session: Mailbox[SessionMessage] = Mailbox("session", loop)
+    context = ActorContext(
+        plan=plan,
+        recipe=Recipe(loss_fn=_dummy_loss, optimizer=_sgd(0.1)),
+        server=mailbox,
+        session=session,
+        loop=loop,
+        abort=threading.Event(),
+        sync_timeout=sync_timeout,
+        trace=trace,
+        streams=make_stream_sync([torch.device("cpu")] * 2, len(plan.buckets)),
+    )
+    devices = [FakeDevice(i, plan, loop) for i in range(2)]
+    buffers = BufferSync([nn.Linear(1, 1), nn.Linear(1, 1)])
+    assert buffers.empty
+    server = SyncServer(
+        mailbox=mailbox,
+        context=context,
+        devices=devices,
+        buffers=buffers,
+        collective=LocalCollective(2),
+        agreement=LocalAgreement(),
+    )
+    try:
+        yield ServerRig(server, mailbox, devices, context, trace)
+    finally:
+        server.close()
+        joined = await server.comm.join(1.0)
+        for box in (mailbox, session, *(device.mailbox for device in devices)):
+            box.discard()
+        assert joined, "the gsync-comm thread did not exit"
+
+
+async def test_server_launches_a_bucket_only_once_ready_everywhere_and_strictly_in_bucket_order() -> None:
+    async with server_rig() as rig, anyio.create_task_group() as group:
+        group.start_soon(rig.server.run)
+        rig.fill(0)
+        rig.mailbox.post(StepDispatched(0, (0.25, 0.75), 8))
+        rig.mailbox.post(ForwardDone(0, 0, 0.5))
+        rig.mailbox.post(ForwardDone(1, 0, 0.25))
+
+        # Bucket 1 is ready on every device before bucket 0 is: it must wait for bucket 0.
+        rig.ready(0, 1)
+        rig.ready(1, 1)
+        await rig.mailbox.settled()
+        assert rig.launches() == []
+        # Bucket 0 ready on one device only: still nothing to launch.
+        rig.ready(1, 0)
+        await rig.mailbox.settled()
+        assert rig.launches() == []
+        assert rig.server.bucket_ready_received == 3
+        # Bucket 0 completes: 0 and then the waiting 1 are launched, in that order.
+        rig.ready(0, 0)
+        await rig.mailbox.settled()
+        assert rig.launches() == [0, 1]
+        rig.ready(1, 2)
+        await rig.mailbox.settled()
+        assert rig.launches() == [0, 1]
+        rig.ready(0, 2)
+        await rig.mailbox.settled()
+        assert rig.launches() == [0, 1, 2]
+
+        synced = [await rig.synced(d) for d in range(2)]
+        assert [event.bucket for event in rig.trace.select("all_reduce", 0)] == [0, 1, 2]
+        assert synced == [StepSynced(0, (), False, 0.75)] * 2
+        rig.mailbox.post(Close())
+    assert rig.server.bucket_ready_received == 6
+    assert rig.server.steps_synced == 1
+
+
+async def test_server_reduces_to_the_weighted_sum_and_posts_one_step_synced_with_the_agreed_facts() -> None:
+    weights = [(0.25, 0.75), (0.5, 0.5)]
+    async with server_rig() as rig, anyio.create_task_group() as group:
+        group.start_soon(rig.server.run)
+        for step, (w0, w1) in enumerate(weights):
+            rig.fill(step)
+            expected = [w0 * a + w1 * b for a, b in zip(rig.devices[0].buffers, rig.devices[1].buffers)]
+            rig.mailbox.post(StepDispatched(step, (w0, w1), 8, last=step == len(weights) - 1))
+            # Step 1: device 1's loss was not finite (on_nonfinite="skip"): every device skips,
+            # though device 0, reporting after it, did not.
+            rig.mailbox.post(ForwardDone(1, step, 1.25, skip=step == 1))
+            rig.mailbox.post(ForwardDone(0, step, 0.375))
+            # Parameter 1 (bucket 1) got no gradient on either device; parameter 2 (bucket 1)
+            # and parameter 0 (bucket 2) only on one of them.
+            rig.ready(1, 2, step, unused=())
+            rig.ready(0, 2, step, unused=(0,))
+            rig.ready(0, 1, step, unused=(2, 1))
+            rig.ready(1, 0, step)
+            rig.ready(0, 0, step)
+            rig.ready(1, 1, step, unused=(1,))
+
+            synced = [await rig.synced(d) for d in range(2)]
+            assert synced == [StepSynced(step, unused=(1,), skip=step == 1, loss=0.375 + 1.25)] * 2
+            for device in rig.devices:
+                for bucket, (buffer, want) in enumerate(zip(device.buffers, expected)):
+                    torch.testing.assert_close(buffer, want, rtol=0, atol=1e-5, msg=lambda m, b=bucket: f"bucket {b}: {m}")
+            assert rig.server.bucket_ready_received == 6 * (step + 1)
+            plan = rig.context.plan
+            assert rig.server.reduced_bytes == (step + 1) * sum(b.nbytes for b in plan.buckets) == (step + 1) * 32
+            assert rig.server.steps_synced == step + 1
+        rig.mailbox.post(Close())
+        # Exactly one StepSynced per device and step: the next message each device gets is the Close.
+        for device in rig.devices:
+            with anyio.fail_after(WAIT_S):
+                assert await device.mailbox.receive() == Close("end of data")
+    assert rig.server.skipped_steps == [1]
+    assert [e.bucket for e in rig.trace.select("all_reduce")] == [0, 1, 2, 0, 1, 2]
+    assert [rig.streams.rounds_applied(d) for d in range(2)] == [2, 2]
+
+
+async def test_server_close_closes_every_device_and_returns() -> None:
+    async with server_rig() as rig:
+        rig.mailbox.post(Close())
+        with anyio.fail_after(WAIT_S):
+            await rig.server.run()
+        assert rig.mailbox.closed
+        for device in rig.devices:
+            assert await device.mailbox.receive() == Close("end of data")
+        assert rig.launches() == []
+        with pytest.raises(gsync.MailboxClosed):
+            rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+
+
+async def test_server_close_during_a_step_waits_for_that_step_to_sync() -> None:
+    async with server_rig() as rig:
+        rig.fill(0)
+        rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+        rig.mailbox.post(Close())
+        for device in range(2):
+            rig.mailbox.post(ForwardDone(device, 0, 0.5))
+            for bucket in range(3):
+                rig.ready(device, bucket)
+        with anyio.fail_after(WAIT_S):
+            await rig.server.run()
+        for device in rig.devices:
+            assert await device.mailbox.receive() == StepSynced(0, (), False, 1.0)
+            assert await device.mailbox.receive() == Close("end of data")
+        assert rig.server.steps_synced == 1
+
+
+@pytest.mark.parametrize(
+    ("messages", "step"),
+    [
+        pytest.param([StepDispatched(0, (0.5, 0.5), 8), BucketReady(0, 1, 0)], 0, id="bucket-ready-for-another-step"),
+        pytest.param([StepDispatched(0, (0.5, 0.5), 8), ForwardDone(1, 3, 0.5)], 0, id="forward-done-for-another-step"),
+        pytest.param([BucketReady(0, 0, 0)], -1, id="bucket-ready-outside-any-step"),
+    ],
+)
+async def test_server_raises_sync_failed_on_a_protocol_error(messages: list[ServerMessage], step: int) -> None:
+    async with server_rig() as rig:
+        for message in messages:
+            rig.mailbox.post(message)
+        with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncFailed, match="protocol error") as caught:
+            await rig.server.run()
+        assert caught.value.step == step
+        assert caught.value.bucket is None
+        assert repr(messages[-1]) in str(caught.value)
+        assert rig.launches() == []
+        assert rig.mailbox.closed
+
+
+async def test_server_stall_raises_sync_timeout_naming_the_missing_device_and_bucket() -> None:
+    async with server_rig(sync_timeout=0.2) as rig:
+        rig.fill(0)
+        rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+        for device in range(2):
+            rig.mailbox.post(ForwardDone(device, 0, 0.5))
+        # fake:1 never posts bucket 2.
+        for device, bucket in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]:
+            rig.ready(device, bucket)
+        with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncTimeout) as caught:
+            await rig.server.run()
+        error = caught.value
+        assert isinstance(error, TimeoutError)
+        assert error.step == 0
+        assert error.timeout == 0.2
+        assert error.missing == (("fake:1", 2),)
+        assert error.site == "gradient sync"
+        assert error.stalled_devices == ("fake:1",)
+        assert error.last_seen == {"fake:1": "fake 1, backward"}
+        assert set(error.unreduced) <= {0, 1}
+        assert rig.launches() == [0, 1]
+        assert rig.server.bucket_ready_received == 5
+        for device in rig.devices:
+            device.mailbox.close()
+            with pytest.raises(gsync.MailboxClosed):
+                await device.mailbox.receive()  # no StepSynced went out
+
+
+# -- B) the device actor ----------------------------------------------------------------------------------------------
+
+
+def mse(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+def make_batch(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 3, generator=generator), torch.randn(rows, 2, generator=generator)
+
+
+def reference_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse) -> tuple[float, list[torch.Tensor]]:
+    """One plain forward and backward on a copy of ``model``: the loss and every parameter's gradient."""
+    model = copy.deepcopy(model)
+    loss = loss_fn(model, batch)
+    loss.backward()
+    return loss.item(), [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+
+
+@dataclass
+class ActorRig:
+    actor: DeviceActor
+    context: ActorContext
+    send: MemoryObjectSendStream[Shard]
+    initial: nn.Module
+    """A copy of the model as it was before the actor touched it."""
+    lr: float
+
+    @property
+    def server(self) -> Mailbox[ServerMessage]:
+        return self.context.server
+
+    @property
+    def session(self) -> Mailbox[SessionMessage]:
+        return self.context.session
+
+    async def next_server_message(self) -> ServerMessage:
+        with anyio.fail_after(WAIT_S):
+            return await self.server.receive()
+
+    def reduce(self, buckets: Sequence[int]) -> None:
+        """What the server's communication thread does around each reduction (this test reduces nothing)."""
+        for bucket in buckets:
+            self.context.streams.before_reduce(bucket)
+            self.context.streams.after_reduce(bucket)
+
+    async def remaining_server_messages(self) -> list[ServerMessage]:
+        """Everything still queued for the server (call once the actor is done)."""
+        self.server.close()
+        left: list[ServerMessage] = []
+        while True:
+            try:
+                left.append(await self.server.receive())
+            except gsync.MailboxClosed:
+                return left
+
+
+@asynccontextmanager
+async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr: float = 0.1) -> AsyncIterator[tuple[ActorRig, Any]]:
+    loop = LoopHandle()
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    initial = copy.deepcopy(model)
+    # bias (8 B) fills the first 8 B bucket; weight (24 B) gets the second.
+    plan = BucketPlan.build(list(model.named_parameters()), first_bucket_bytes=8, bucket_cap_bytes=24)
+    assert [b.params for b in plan.buckets] == [(1,), (0,)]
+    recipe = Recipe(loss_fn=loss_fn, optimizer=_sgd(lr))
+    context = ActorContext(
+        plan=plan,
+        recipe=recipe,
+        server=Mailbox("sync server", loop),
+        session=Mailbox("session", loop),
+        loop=loop,
+        abort=threading.Event(),
+        sync_timeout=WAIT_S,
+        streams=make_stream_sync([torch.device("cpu")], len(plan.buckets)),
+    )
+    actor = DeviceActor(
+        index=0,
+        spec=parse_devices(["cpu:0"])[0],
+        replica=model,
+        optimizer=recipe.optimizer([p for p in model.parameters() if p.requires_grad]),
+        context=context,
+    )
+    send, receive = anyio.create_memory_object_stream[Shard](1)
+    try:
+        yield ActorRig(actor, context, send, initial, lr), receive
+    finally:
+        send.close()
+        receive.close()
+        actor.close()
+        joined = await actor.worker.join(1.0)
+        for box in (context.server, context.session, actor.mailbox):
+            box.discard()
+        assert joined, "the actor's worker thread did not exit"
+
+
+async def test_actor_posts_forward_done_then_one_bucket_ready_per_bucket_and_applies_the_synced_step() -> None:
+    batch = make_batch(4, seed=1)
+    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+        actor = rig.actor
+        ref_loss, ref_grads = reference_step(rig.initial, batch)
+        group.start_soon(actor.run, receive)
+        await rig.send.send(Shard(step=0, rows=(4,), total_rows=(8,), data=(batch,)))
+
+        first = await rig.next_server_message()
+        assert first == ForwardDone(device=0, step=0, loss=ref_loss * 4 / 8, skip=False)
+        readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
+        assert all(isinstance(m, BucketReady) for m in readies), readies
+        assert sorted(m.bucket for m in readies) == [0, 1]  # type: ignore[union-attr]
+        assert all((m.device, m.step, m.unused) == (0, 0, ()) for m in readies)  # type: ignore[union-attr]
+
+        # One batch: the bucket holds the plain shard gradient; the reduction applies the weight.
+        for position, want in enumerate(ref_grads):
+            torch.testing.assert_close(actor.grads.views[position], want, rtol=0, atol=1e-7)
+        rig.reduce([m.bucket for m in readies])  # type: ignore[union-attr]
+        grads = [view.clone() for view in actor.grads.views]
+        before = [p.detach().clone() for p in actor.params]
+
+        actor.mailbox.post(StepSynced(0, (), False, 1.5))
+        with anyio.fail_after(WAIT_S):
+            applied = await rig.session.receive()
+        assert applied == StepApplied(device=0, step=0, loss=1.5, lr=rig.lr, grad_norm=None, skipped=False)
+        for param, old, grad in zip(actor.params, before, grads):
+            assert torch.equal(param.detach(), old.add(grad, alpha=-rig.lr))
+        assert actor.applied_step == 0
+        assert rig.context.streams.rounds_applied(0) == 1  # type: ignore[attr-defined]
+
+        rig.send.close()
+        actor.mailbox.post(Close())
+    assert await rig.remaining_server_messages() == []
+
+
+@pytest.mark.parametrize("rows", [(4, 4), (4, 2)], ids=["equal-batches", "unequal-batches"])
+async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows: tuple[int, int]) -> None:
+    batches = (make_batch(rows[0], seed=2), make_batch(rows[1], seed=3))
+    total = (8, 8)
+    shard = Shard(step=0, rows=rows, total_rows=total, data=batches)
+    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+        actor = rig.actor
+        references = [reference_step(rig.initial, batch) for batch in batches]
+        shares = [r / t / len(rows) for r, t in zip(rows, total)]
+        group.start_soon(actor.run, receive)
+        await rig.send.send(shard)
+
+        first = await rig.next_server_message()
+        assert isinstance(first, ForwardDone)
+        assert (first.device, first.step, first.skip) == (0, 0, False)
+        assert first.loss == pytest.approx(sum(share * loss for share, (loss, _) in zip(shares, references)), rel=1e-12)
+        readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
+        assert sorted(m.bucket for m in readies if isinstance(m, BucketReady)) == [0, 1]
+
+        # The bucket holds the device's weighted mean gradient over the batches, divided by
+        # its weight (the reduction multiplies it back).
+        assert shard.weight == pytest.approx(sum(shares))
+        for position in range(len(actor.params)):
+            want = sum(share * grads[position] for share, (_, grads) in zip(shares, references)) / shard.weight
+            torch.testing.assert_close(actor.grads.views[position], want, rtol=1e-6, atol=1e-7)
+
+        rig.reduce([m.bucket for m in readies])  # type: ignore[union-attr]
+        actor.mailbox.post(StepSynced(0, (), False, first.loss))
+        with anyio.fail_after(WAIT_S):
+            applied = await rig.session.receive()
+        assert applied == StepApplied(0, 0, first.loss, rig.lr)
+        rig.send.close()
+        actor.mailbox.post(Close())
+    # Only the last backward posts: nothing but ForwardDone and one BucketReady per bucket went out.
+    assert await rig.remaining_server_messages() == []
+
+
+def bias_only_in_big_batches(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The bias takes part only in batches of more than 2 rows; smaller batches give it no gradient."""
+    x, y = batch
+    assert isinstance(model, nn.Linear)
+    out = model(x) if x.shape[0] > 2 else x @ model.weight.T
+    return F.mse_loss(out, y)
+
+
+async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_batch_of_the_step() -> None:
+    rows, total = (4, 2), (8, 8)
+    batches = (make_batch(rows[0], seed=6), make_batch(rows[1], seed=7))
+    shard = Shard(step=0, rows=rows, total_rows=total, data=batches)
+    async with actor_rig(loss_fn=bias_only_in_big_batches) as (rig, receive), anyio.create_task_group() as group:
+        actor = rig.actor
+        references = [reference_step(rig.initial, batch, bias_only_in_big_batches) for batch in batches]
+        assert torch.count_nonzero(references[1][1][1]) == 0  # the last batch gives the bias no gradient
+        shares = [r / t / len(rows) for r, t in zip(rows, total)]
+        group.start_soon(actor.run, receive)
+        await rig.send.send(shard)
+        messages = [await rig.next_server_message() for _ in range(3)]
+        assert isinstance(messages[0], ForwardDone)
+        readies = {m.bucket: m for m in messages[1:] if isinstance(m, BucketReady)}
+        # The bias (bucket 0) got a gradient in the step, so it is not unused.
+        assert sorted(readies) == [0, 1] and readies[0].unused == () and readies[1].unused == ()
+
+        wants = [
+            sum(share * grads[position] for share, (_, grads) in zip(shares, references)) / shard.weight
+            for position in range(len(actor.params))
+        ]
+        for view, want in zip(actor.grads.views, wants):
+            torch.testing.assert_close(view, want, rtol=1e-6, atol=1e-7)
+        rig.reduce(sorted(readies))
+        before = [p.detach().clone() for p in actor.params]
+        actor.mailbox.post(StepSynced(0, (), False, messages[0].loss))
+        with anyio.fail_after(WAIT_S):
+            assert await rig.session.receive() == StepApplied(0, 0, messages[0].loss, rig.lr)
+        for name, param, old, want in zip(("weight", "bias"), actor.params, before, wants):
+            torch.testing.assert_close(param.detach(), old - rig.lr * want, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        rig.send.close()
+        actor.mailbox.post(Close())
+
+
+async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
+    batch = make_batch(4, seed=4)
+    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+        actor = rig.actor
+        before = [p.detach().clone() for p in actor.params]
+        group.start_soon(actor.run, receive)
+        await rig.send.send(Shard(0, (4,), (8,), (batch,)))
+        messages = [await rig.next_server_message() for _ in range(3)]
+        assert isinstance(messages[0], ForwardDone)
+        rig.reduce([m.bucket for m in messages[1:]])  # type: ignore[union-attr]
+        actor.mailbox.post(StepSynced(0, (), True, math.inf))
+        with anyio.fail_after(WAIT_S):
+            applied = await rig.session.receive()
+        assert applied == StepApplied(0, 0, math.inf, rig.lr, None, skipped=True)
+        for param, old in zip(actor.params, before):
+            assert torch.equal(param.detach(), old)
+        rig.send.close()
+        actor.mailbox.post(Close())
+
+
+async def test_actor_wraps_a_loss_fn_error_in_worker_failed() -> None:
+    boom = RuntimeError("boom")
+
+    def failing_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+        raise boom
+
+    async with actor_rig(loss_fn=failing_loss) as (rig, receive):
+        rig.send.send_nowait(Shard(0, (4,), (8,), (make_batch(4, seed=5),)))
+        with anyio.fail_after(WAIT_S), pytest.raises(gsync.WorkerFailed) as caught:
+            await rig.actor.run(receive)
+        error = caught.value
+        assert (error.site, error.step, error.device, error.device_index) == ("forward", 0, "cpu:0", 0)
+        assert error.__cause__ is boom
+        assert rig.actor.failure is error
+        assert rig.context.abort.is_set()
+        assert await rig.remaining_server_messages() == []
