@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -131,6 +131,7 @@ class Session:
         self._open = False
         self._ended = False
         self._stepping = False
+        self._operations_done = 0
         self._failure: BaseException | None = None
         self._reported: GsyncError | None = None
         self._peer_left: FailureReport | None = None
@@ -228,16 +229,14 @@ class Session:
             return loss_fn(model, shard)
 
         fn = metric_fn if metric_fn is not None else loss
-        self._stepping = True
         failure: BaseException | None = None
-        try:
-            names, totals = await self._evaluate(data, fn)
-        except BaseExceptionGroup as errors:
-            failure = first_failure(errors)
-        except GsyncError as error:
-            failure = error
-        finally:
-            self._stepping = False
+        with self._operation():
+            try:
+                names, totals = await self._evaluate(data, fn)
+            except BaseExceptionGroup as errors:
+                failure = first_failure(errors)
+            except GsyncError as error:
+                failure = error
         if failure is not None:
             raise self._fail(failure)
         total_rows = float(totals[-1])
@@ -291,14 +290,12 @@ class Session:
         if runtime is None:
             return value
         tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)  # type: ignore[union-attr]
-        self._stepping = True
         failure: GsyncError | None = None
-        try:
-            reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op))
-        except GsyncError as error:
-            failure = error
-        finally:
-            self._stepping = False
+        with self._operation():
+            try:
+                reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op))
+            except GsyncError as error:
+                failure = error
         if failure is not None:
             raise self._fail(failure)
         if op == "mean":
@@ -323,19 +320,15 @@ class Session:
         if not batches:
             raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
         step = self._next_step
-        self._check_peers(step)
         shards, total_rows = self._split(batches, step)
         weights = tuple(shard.weight for shard in shards)
         local_rows = sum(sum(shard.rows) for shard in shards)
         started = time.perf_counter()
-        self._stepping = True
-        try:
+        with self._operation():
             self._server_mailbox.post(StepDispatched(step, weights, local_rows, last))  # type: ignore[union-attr]
             for send, shard in zip(self._shard_sends, shards):
                 await send.send(shard)
             applied = await self._await_applied(step)
-        finally:
-            self._stepping = False
         self._next_step = step + 1
         return StepResult(
             step=step,
@@ -408,10 +401,22 @@ class Session:
                 "session does one thing at a time: await each call before the next"
             )
 
-    def _check_peers(self, step: int) -> None:
+    @contextmanager
+    def _operation(self) -> Iterator[None]:
+        """One step, evaluate or all_reduce: across processes, the ranks' n-th operations meet in collectives.
+
+        A peer that left its session after ``n`` operations makes this
+        rank's next one, if it is the (n+1)-th or later, raise :class:`~gsync.PeerFailed`.
+        """
         left = self._peer_left
-        if left is not None and step > left.step:
+        if left is not None and self._operations_done >= left.operations:
             raise self._fail(peer_failed(left))
+        self._stepping = True
+        try:
+            yield
+            self._operations_done += 1
+        finally:
+            self._stepping = False
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close the session for good because of ``error`` (raised by the caller)."""
@@ -581,7 +586,7 @@ class Session:
         await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
         await arrived.wait()
         report = reports[0]
-        if report.error_type == _DEPARTED and not (self._stepping and self._next_step > report.step):
+        if report.error_type == _DEPARTED and not (self._stepping and self._operations_done >= report.operations):
             self._peer_left = report
             return
         raise peer_failed(report)
@@ -662,7 +667,8 @@ class Session:
         last = self._next_step - 1
         notice = FailureReport(
             runtime.session.rank, "", -1, last, "session", _DEPARTED,
-            "this rank started another step; every rank must run the same number of steps in a session",
+            "this rank started another step (or evaluate, or all_reduce); every rank must run the same loop",
+            operations=self._operations_done,
         )
         await self._in_setup(lambda: runtime.board.report(notice), None)
 

@@ -32,6 +32,8 @@ class FailureReport(msgspec.Struct, frozen=True, tag=True):
     site: str
     error_type: str
     message: str
+    operations: int = -1
+    """For a rank that left its session normally: how many steps, evaluates and all_reduces it completed."""
 
 
 _ENCODER = msgspec.msgpack.Encoder()
