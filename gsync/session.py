@@ -473,7 +473,7 @@ class Session:
             self._topology = runtime.topology
         self._streams = streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
         self._collective = (
-            ProcessGroupCollective(runtime.session.group, self._topology, self._abort)
+            ProcessGroupCollective(runtime.membership.group, self._topology, self._abort)
             if runtime is not None
             else _local_collective(engine, streams)
         )
@@ -666,7 +666,7 @@ class Session:
             return
         last = self._next_step - 1
         notice = FailureReport(
-            runtime.session.rank, "", -1, last, "session", _DEPARTED,
+            runtime.membership.rank, "", -1, last, "session", _DEPARTED,
             "this rank started another step (or evaluate, or all_reduce); every rank must run the same loop",
             operations=self._operations_done,
         )

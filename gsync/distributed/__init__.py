@@ -27,12 +27,12 @@ from .failures import FailureBoard as FailureBoard
 from .failures import FailureReport as FailureReport
 from .failures import failure_report as failure_report
 from .failures import peer_failed as peer_failed
-from .session import DistributedSession as DistributedSession
-from .session import join as join
-from .session import should_use_distributed as should_use_distributed
+from .membership import GroupMembership as GroupMembership
+from .membership import join as join
+from .membership import should_use_distributed as should_use_distributed
 
 __all__ = (
-    "DistributedSession",
+    "GroupMembership",
     "FailureBoard",
     "FailureReport",
     "agree_on_order",

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..topology import Topology
-from .session import DistributedSession
+from .membership import GroupMembership
 
 __all__ = ("agree_on_order", "broadcast_module_state", "gather_topology", "verify_same_parameters")
 
@@ -27,45 +27,45 @@ _STATE_CHUNK_BYTES = 128 * 2**20
 _ALIGN = 16
 
 
-def _all_gather(session: DistributedSession, tensor: torch.Tensor) -> list[torch.Tensor]:
-    gathered = [torch.empty_like(tensor) for _ in range(session.world_size)]
-    session.wait(dist.all_gather(gathered, tensor, group=session.group, async_op=True))
+def _all_gather(member: GroupMembership, tensor: torch.Tensor) -> list[torch.Tensor]:
+    gathered = [torch.empty_like(tensor) for _ in range(member.world_size)]
+    member.wait(dist.all_gather(gathered, tensor, group=member.group, async_op=True))
     return gathered
 
 
-def _all_gather_bytes(session: DistributedSession, payload: bytes) -> list[bytes]:
+def _all_gather_bytes(member: GroupMembership, payload: bytes) -> list[bytes]:
     """Every rank's ``payload``, in rank order. Collective.
 
     torch's ``all_gather_object`` needs numpy (not a gsync dependency) and
     unpickles what peers send; this moves plain bytes in two gathers, sizes
-    first, on the session's device.
+    first, on the member's device.
     """
-    device = session.device
-    sizes = _all_gather(session, torch.tensor([len(payload)], dtype=torch.int64, device=device))
+    device = member.device
+    sizes = _all_gather(member, torch.tensor([len(payload)], dtype=torch.int64, device=device))
     lengths = [int(size.item()) for size in sizes]
     longest = max(lengths)
     if longest == 0:
-        return [b""] * session.world_size
+        return [b""] * member.world_size
     buffer = torch.zeros(longest, dtype=torch.uint8, device=device)
     if payload:
         buffer[: len(payload)].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-    return [bytes(chunk[:length].tolist()) for chunk, length in zip(_all_gather(session, buffer), lengths)]
+    return [bytes(chunk[:length].tolist()) for chunk, length in zip(_all_gather(member, buffer), lengths)]
 
 
-def gather_topology(session: DistributedSession, local_devices: int) -> Topology:
+def gather_topology(member: GroupMembership, local_devices: int) -> Topology:
     """Where this rank's devices sit among all devices, rank-major. Collective.
 
     :raises ~gsync.ConfigError: when ``local_devices`` is not a positive int.
     """
     if isinstance(local_devices, bool) or not isinstance(local_devices, int) or local_devices < 1:
         raise ConfigError(f"local_devices must be a positive int, got {local_devices!r}")
-    mine = torch.tensor([local_devices], dtype=torch.int64, device=session.device)
-    counts = [int(count.item()) for count in _all_gather(session, mine)]
+    mine = torch.tensor([local_devices], dtype=torch.int64, device=member.device)
+    counts = [int(count.item()) for count in _all_gather(member, mine)]
     return Topology(
         local_devices=local_devices,
-        rank=session.rank,
-        world_size=session.world_size,
-        device_offset=sum(counts[: session.rank]),
+        rank=member.rank,
+        world_size=member.world_size,
+        device_offset=sum(counts[: member.rank]),
         world_devices=sum(counts),
     )
 
@@ -106,19 +106,19 @@ def _describe_difference(reference: _Signature, other: _Signature, rank: int, no
     return None
 
 
-def _verify_same(session: DistributedSession, signature: _Signature, noun: str) -> None:
+def _verify_same(member: GroupMembership, signature: _Signature, noun: str) -> None:
     # Gather digests first: the full lists travel only when something differs.
     # Every rank sees the same gathered values, so every rank takes the same
     # branch and raises the same error.
     payload = msgspec.msgpack.encode(signature)
-    digest = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8).to(session.device)
-    digests = _all_gather(session, digest)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8).to(member.device)
+    digests = _all_gather(member, digest)
     if all(torch.equal(d, digests[0]) for d in digests):
         return
-    signatures = [_decode_signature(raw) for raw in _all_gather_bytes(session, payload)]
+    signatures = [_decode_signature(raw) for raw in _all_gather_bytes(member, payload)]
     differences = [
         (rank, text)
-        for rank in range(1, session.world_size)
+        for rank in range(1, member.world_size)
         if (text := _describe_difference(signatures[0], signatures[rank], rank, noun)) is not None
     ]
     if not differences:  # the digests differed but the lists match: nothing to report
@@ -131,14 +131,14 @@ def _verify_same(session: DistributedSession, signature: _Signature, noun: str) 
     )
 
 
-def verify_same_parameters(session: DistributedSession, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
+def verify_same_parameters(member: GroupMembership, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Check that every rank has the same parameter names, shapes and dtypes, in the same order. Collective.
 
     :raises ~gsync.ConfigError: on every rank alike when any rank differs from
         rank 0, naming the first differing rank, the first differing parameter
         and what differs (name, shape, dtype, or the number of parameters).
     """
-    _verify_same(session, _signature(named_params), "parameter")
+    _verify_same(member, _signature(named_params), "parameter")
 
 
 def _module_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -147,7 +147,7 @@ def _module_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(module.named_parameters()) + list(module.named_buffers())
 
 
-def broadcast_module_state(session: DistributedSession, module: nn.Module) -> None:
+def broadcast_module_state(member: GroupMembership, module: nn.Module) -> None:
     """Overwrite every parameter and buffer of ``module`` with rank 0's, in place. Collective.
 
     The state travels as raw bytes, coalesced into a few flat buffers (one
@@ -159,11 +159,11 @@ def broadcast_module_state(session: DistributedSession, module: nn.Module) -> No
         :func:`verify_same_parameters`).
     """
     named = _module_state(module)
-    _verify_same(session, _signature(named), "parameter or buffer")
+    _verify_same(member, _signature(named), "parameter or buffer")
     tensors = [tensor for _, tensor in named if tensor.numel() > 0]
     with torch.no_grad():
         for chunk in _chunks(tensors):
-            _broadcast_bytes(session, chunk)
+            _broadcast_bytes(member, chunk)
 
 
 def _padded_bytes(tensor: torch.Tensor) -> int:
@@ -185,26 +185,26 @@ def _chunks(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
         yield chunk
 
 
-def _broadcast_bytes(session: DistributedSession, tensors: list[torch.Tensor]) -> None:
+def _broadcast_bytes(member: GroupMembership, tensors: list[torch.Tensor]) -> None:
     offsets = []
     total = 0
     for tensor in tensors:
         offsets.append(total)
         total += _padded_bytes(tensor)
-    flat = torch.empty(total, dtype=torch.uint8, device=session.device)
-    source = session.rank == 0
+    flat = torch.empty(total, dtype=torch.uint8, device=member.device)
+    source = member.rank == 0
     if source:
         for tensor, offset in zip(tensors, offsets):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()].copy_(raw)
-    session.wait(dist.broadcast(flat, src=session.source_rank, group=session.group, async_op=True))
+    member.wait(dist.broadcast(flat, src=member.source_rank, group=member.group, async_op=True))
     if not source:
         for tensor, offset in zip(tensors, offsets):
             nbytes = tensor.numel() * tensor.element_size()
             tensor.copy_(flat[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape))
 
 
-def agree_on_order(session: DistributedSession, order: Sequence[int]) -> list[int]:
+def agree_on_order(member: GroupMembership, order: Sequence[int]) -> list[int]:
     """Rank 0's ``order`` (e.g. the parameter order its first backward observed), on every rank. Collective.
 
     Each rank observes its own gradient order; a bucket plan rebuilt from a
@@ -214,13 +214,13 @@ def agree_on_order(session: DistributedSession, order: Sequence[int]) -> list[in
     :raises ~gsync.ConfigError: on every rank alike when the orders differ in
         length (the ranks do not train the same parameters).
     """
-    mine = torch.tensor([len(order)], dtype=torch.int64, device=session.device)
-    lengths = [int(length.item()) for length in _all_gather(session, mine)]
+    mine = torch.tensor([len(order)], dtype=torch.int64, device=member.device)
+    lengths = [int(length.item()) for length in _all_gather(member, mine)]
     if len(set(lengths)) > 1:
         raise ConfigError(
             f"ranks observed gradient orders of different lengths {lengths}: every rank must train the same "
             "parameters (same model, same requires_grad settings)"
         )
-    agreed = torch.tensor(list(order), dtype=torch.int64).to(session.device)
-    session.wait(dist.broadcast(agreed, src=session.source_rank, group=session.group, async_op=True))
+    agreed = torch.tensor(list(order), dtype=torch.int64).to(member.device)
+    member.wait(dist.broadcast(agreed, src=member.source_rank, group=member.group, async_op=True))
     return [int(position) for position in agreed.tolist()]

@@ -11,7 +11,7 @@ import msgspec
 import torch.distributed as dist
 
 from ..errors import ConfigError, DataFailed, GsyncError, NonFiniteLoss, PeerFailed, SyncFailed, SyncTimeout, WorkerFailed
-from .session import DistributedSession
+from .membership import GroupMembership
 
 __all__ = ("FailureBoard", "FailureReport", "failure_report", "peer_failed")
 
@@ -94,18 +94,18 @@ _STOP = b"stop"
 
 
 class FailureBoard:
-    """The failure side channel of one session, over its store.
+    """The failure side channel of one group membership (one run), over its store.
 
-    Keys live under the session's namespace:
+    Keys live under the membership's namespace:
     ``<ns>/failures`` counts reports, ``<ns>/failure/<n>`` holds the n-th
     (msgpack), and ``<ns>/wake/<rank>`` is set to wake ``rank``'s watcher.
     """
 
-    def __init__(self, session: DistributedSession) -> None:
-        self._store = session.store
-        self._rank = session.rank
-        self._world_size = session.world_size
-        self._namespace = session.namespace
+    def __init__(self, member: GroupMembership) -> None:
+        self._store = member.store
+        self._rank = member.rank
+        self._world_size = member.world_size
+        self._namespace = member.namespace
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.report_error: BaseException | None = None
@@ -124,7 +124,7 @@ class FailureBoard:
         store that is gone means the peers are ending anyway (the error is
         kept in :attr:`report_error`).
 
-        :raises ~gsync.ConfigError: when ``report.rank`` is not this session's rank.
+        :raises ~gsync.ConfigError: when ``report.rank`` is not this member's rank.
         """
         if report.rank != self._rank:
             raise ConfigError(f"a FailureReport for rank {report.rank} cannot be published by rank {self._rank}")
@@ -186,7 +186,7 @@ class FailureBoard:
         :raises ~gsync.GsyncError: if this board is already watching or was stopped.
         """
         if self._thread is not None or self._stopping.is_set():
-            raise GsyncError("this FailureBoard is already watching or was stopped; make a new board per session")
+            raise GsyncError("this FailureBoard is already watching or was stopped; make a new board per run")
         store, slice_ = _own_connection(self._store)
         self._thread = threading.Thread(
             target=self._watch, args=(store, slice_, callback), name="gsync-failure-watch", daemon=True

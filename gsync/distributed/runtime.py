@@ -21,7 +21,7 @@ from ..errors import ConfigError, GsyncError, PeerFailed, SyncTimeout
 from ..topology import Topology
 from .agreement import agree_on_order, broadcast_module_state, gather_topology, verify_same_parameters
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
-from .session import DistributedSession, join
+from .membership import GroupMembership, join
 
 __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 
@@ -37,10 +37,10 @@ _PEER_REPORT_GRACE_S = 0.5
 
 
 class ProcessGroupRuntime:
-    def __init__(self, session: DistributedSession, topology: Topology) -> None:
-        self.session = session
+    def __init__(self, membership: GroupMembership, topology: Topology) -> None:
+        self.membership = membership
         self.topology = topology
-        self.board = FailureBoard(session)
+        self.board = FailureBoard(membership)
 
     @classmethod
     def start(
@@ -62,7 +62,7 @@ class ProcessGroupRuntime:
         :raises ~gsync.ConfigError: for a missing environment, a group or store
             gsync cannot use, or process-local data with unequal device counts.
         """
-        session = join(
+        membership = join(
             process_group,
             device_type,
             sync_timeout + _GROUP_TIMEOUT_MARGIN_S,
@@ -71,7 +71,7 @@ class ProcessGroupRuntime:
             abort=abort,
         )
         try:
-            topology = gather_topology(session, local_devices)
+            topology = gather_topology(membership, local_devices)
             if process_local_data and topology.world_devices != local_devices * topology.world_size:
                 raise ConfigError(
                     "process-local data needs the same number of devices on every rank (the weights assume "
@@ -79,9 +79,9 @@ class ProcessGroupRuntime:
                     f"{topology.world_size} ranks"
                 )
         except BaseException:
-            session.close()
+            membership.close()
             raise
-        return cls(session, topology)
+        return cls(membership, topology)
 
     def prepare(self, replicas: Sequence[nn.Module]) -> None:
         """Check every rank trains the same parameters and start every replica from rank 0's state. Collective.
@@ -90,15 +90,15 @@ class ProcessGroupRuntime:
             (and rank) that differs.
         """
         first = replicas[0]
-        verify_same_parameters(self.session, [(n, p) for n, p in first.named_parameters() if p.requires_grad])
-        broadcast_module_state(self.session, first)
+        verify_same_parameters(self.membership, [(n, p) for n, p in first.named_parameters() if p.requires_grad])
+        broadcast_module_state(self.membership, first)
         state = first.state_dict()
         for replica in replicas[1:]:
             replica.load_state_dict(state)
 
     def agree_order(self, order: Sequence[int]) -> list[int]:
         """Rank 0's observed gradient order, so every rank rebuilds the same bucket plan. Collective."""
-        return agree_on_order(self.session, order)
+        return agree_on_order(self.membership, order)
 
     def agree_step(self, num_params: int, facts: StepFacts, process_local_rows: bool) -> AgreedStep:
         """Agree on one step's unused parameters, skip flag and loss (and row counts for local data). Collective.
@@ -117,11 +117,11 @@ class ProcessGroupRuntime:
         rows = facts.rows if process_local_rows else 0
         tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0]
         values[num_params:] = torch.tensor(tail, dtype=torch.float64)
-        values = values.to(self.session.device)
-        self.session.wait(dist.all_reduce(values, group=self.session.group, async_op=True))
+        values = values.to(self.membership.device)
+        self.membership.wait(dist.all_reduce(values, group=self.membership.group, async_op=True))
         values = values.cpu()
         if process_local_rows:
-            world = self.session.world_size
+            world = self.membership.world_size
             total, squares = float(values[num_params + 1]), float(values[num_params + 2])
             # Equal sizes exactly when the sum of squares is world * mean^2.
             if abs(total * total - world * squares) > 0.5:
@@ -130,9 +130,9 @@ class ProcessGroupRuntime:
                     "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
                 )
         ending = int(values[num_params + 4])
-        if 0 < ending < self.session.world_size:
+        if 0 < ending < self.membership.world_size:
             raise ConfigError(
-                f"{ending} of {self.session.world_size} ranks have no data after step {step} while the others "
+                f"{ending} of {self.membership.world_size} ranks have no data after step {step} while the others "
                 "do: every rank must run the same number of steps (same data length and epochs; with "
                 "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
             )
@@ -142,8 +142,8 @@ class ProcessGroupRuntime:
     def all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
         """``values`` reduced over every rank with ``op`` (``"sum"``, ``"max"``, ``"min"``). Collective."""
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        moved = values.to(self.session.device)
-        self.session.wait(dist.all_reduce(moved, op=reduce_op, group=self.session.group, async_op=True))
+        moved = values.to(self.membership.device)
+        self.membership.wait(dist.all_reduce(moved, op=reduce_op, group=self.membership.group, async_op=True))
         return moved.to(values.device)
 
     def watch(self, callback: Callable[[FailureReport], object]) -> None:
@@ -152,7 +152,7 @@ class ProcessGroupRuntime:
     def report(self, error: GsyncError) -> None:
         """Tell the other ranks why this rank's fit is ending (not for :class:`~gsync.PeerFailed`)."""
         if not isinstance(error, PeerFailed):
-            self.board.report(failure_report(self.session.rank, error))
+            self.board.report(failure_report(self.membership.rank, error))
 
     def blame_peer(self, error: GsyncError) -> GsyncError:
         """For a failed or stalled collective, the peer's failure that caused it, if one was reported.
@@ -172,7 +172,7 @@ class ProcessGroupRuntime:
     def close(self) -> None:
         """Stop the watcher and destroy what gsync created (a user's group stays up)."""
         self.board.stop()
-        self.session.close()
+        self.membership.close()
 
 
 class ProcessGroupAgreement:

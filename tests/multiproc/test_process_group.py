@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import gsync
 from gsync.comm.process_group import ProcessGroupCollective
-from gsync.distributed import DistributedSession, gather_topology, join
+from gsync.distributed import GroupMembership, gather_topology, join
 from gsync.topology import Topology
 
 from harness import RankResult, run_ranks
@@ -26,7 +26,7 @@ from harness import RankResult, run_ranks
 # Local devices per rank: 1 each, 2 each, and uneven.
 LAYOUTS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (1, 2))
 
-Case = Callable[[DistributedSession, Topology], None]
+Case = Callable[[GroupMembership, Topology], None]
 CASES: dict[str, Case] = {}
 
 
@@ -38,12 +38,12 @@ def case(name: str) -> Callable[[Case], Case]:
     return register
 
 
-def _collective(session: DistributedSession, topology: Topology) -> ProcessGroupCollective:
+def _collective(session: GroupMembership, topology: Topology) -> ProcessGroupCollective:
     return ProcessGroupCollective(session.group, topology)
 
 
 @case("is_a_collective")
-def _is_a_collective(session: DistributedSession, topology: Topology) -> None:
+def _is_a_collective(session: GroupMembership, topology: Topology) -> None:
     collective = _collective(session, topology)
     assert isinstance(collective, gsync.Collective)
     assert collective.world_devices == topology.world_devices
@@ -54,7 +54,7 @@ def _is_a_collective(session: DistributedSession, topology: Topology) -> None:
 
 
 def _weighted(dtype: torch.dtype) -> Case:
-    def run(session: DistributedSession, topology: Topology) -> None:
+    def run(session: GroupMembership, topology: Topology) -> None:
         n = topology.world_devices
         generator = torch.Generator().manual_seed(n)
         tensors = [torch.randn(1000, generator=generator).to(dtype) for _ in range(n)]
@@ -76,7 +76,7 @@ for _dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
 
 
 @case("fp16_weighted_sum_does_not_overflow")
-def _fp16_no_overflow(session: DistributedSession, topology: Topology) -> None:
+def _fp16_no_overflow(session: GroupMembership, topology: Topology) -> None:
     n = topology.world_devices
     local = [torch.full((16,), 40000.0, dtype=torch.float16) for _ in range(topology.local_devices)]
     _collective(session, topology).all_reduce(local, [1 / n] * topology.local_devices)
@@ -86,7 +86,7 @@ def _fp16_no_overflow(session: DistributedSession, topology: Topology) -> None:
 
 
 @case("broadcast_from_global_device_0")
-def _broadcast(session: DistributedSession, topology: Topology) -> None:
+def _broadcast(session: GroupMembership, topology: Topology) -> None:
     n = topology.world_devices
     tensors = [torch.full((5,), float(i)) for i in range(n)][topology.local_slice]
     ints = [torch.arange(3) + 10 * i for i in range(n)][topology.local_slice]
@@ -99,7 +99,7 @@ def _broadcast(session: DistributedSession, topology: Topology) -> None:
 
 
 @case("zero_weight_devices_contribute_nothing")
-def _zero_weights(session: DistributedSession, topology: Topology) -> None:
+def _zero_weights(session: GroupMembership, topology: Topology) -> None:
     n = topology.world_devices
     tensors = [torch.ones(4), torch.full((4,), 1e30)] + [torch.full((4,), 3.0) for _ in range(n - 2)]
     weights = [0.0 if i == 1 else 1 / (n - 1) for i in range(n)]
@@ -111,7 +111,7 @@ def _zero_weights(session: DistributedSession, topology: Topology) -> None:
 
 
 @case("strided_tensors_are_written_back")
-def _strided(session: DistributedSession, topology: Topology) -> None:
+def _strided(session: GroupMembership, topology: Topology) -> None:
     n = topology.world_devices
     bases = [torch.full((4, 2), float(i + 1)) for i in range(n)][topology.local_slice]
     views = [base[:, 0] for base in bases]  # non-contiguous
@@ -124,7 +124,7 @@ def _strided(session: DistributedSession, topology: Topology) -> None:
 
 
 @case("wrong_topology_is_rejected")
-def _wrong_topology(session: DistributedSession, topology: Topology) -> None:
+def _wrong_topology(session: GroupMembership, topology: Topology) -> None:
     other = Topology(topology.local_devices, (topology.rank + 1) % 2, 2, 0, topology.world_devices)
     with pytest.raises(gsync.ConfigError, match="topology says rank"):
         ProcessGroupCollective(session.group, other)

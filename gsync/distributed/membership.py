@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from .waiting import wait_work
 
-__all__ = ("DistributedSession", "join", "should_use_distributed")
+__all__ = ("GroupMembership", "join", "should_use_distributed")
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _RUN_COUNTER = "gsync/runs"
@@ -44,7 +44,7 @@ def should_use_distributed(process_group: dist.ProcessGroup | None) -> bool:
 
 
 @dataclass(eq=False)
-class DistributedSession:
+class GroupMembership:
     """One process's membership in a multi-process run.
 
     ``rank`` and ``world_size`` are group ranks (a subgroup works too).
@@ -54,7 +54,7 @@ class DistributedSession:
     ``backend`` is the group's torch.distributed backend. ``device``
     is where gsync's own small collectives (run id, topology, checks) put
     their tensors: the CPU for gloo, a CUDA device for NCCL. ``run_id`` is
-    unique per store, so keys under :attr:`namespace` belong to this session
+    unique per store, so keys under :attr:`namespace` belong to this membership
     alone. ``abort`` is the run's abort flag: every collective gsync runs on
     the group waits through :meth:`wait`, which leaves once it is set.
     """
@@ -72,7 +72,7 @@ class DistributedSession:
 
     @property
     def namespace(self) -> str:
-        """Prefix of every store key this session writes."""
+        """Prefix of every store key this membership writes."""
         return f"gsync/run{self.run_id}"
 
     @property
@@ -152,7 +152,7 @@ def join(
     store: dist.Store | None = None,
     device: torch.device | str | None = None,
     abort: threading.Event | None = None,
-) -> DistributedSession:
+) -> GroupMembership:
     """Join the run's process group, or adopt the one given. Collective.
 
     - ``process_group`` given: it is used as is and never destroyed. Its
@@ -163,16 +163,16 @@ def join(
     - otherwise the default group is initialised from the environment as
       ``env://`` would (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
       ``WORLD_SIZE``, as torchrun sets them) on a ``dist.TCPStore`` gsync
-      creates, with gloo for ``"cpu"`` and NCCL for ``"cuda"``; :meth:`DistributedSession.close`
+      creates, with gloo for ``"cpu"`` and NCCL for ``"cuda"``; :meth:`GroupMembership.close`
       destroys it again.
 
     ``timeout_s`` bounds the rendezvous and every collective of a group gsync
     creates. ``device`` (CUDA only) is the device gsync's own collectives use;
     default: the current CUDA device. ``abort`` is the run's abort flag (see
-    :class:`DistributedSession`).
+    :class:`GroupMembership`).
 
     Blocks until every rank has joined. Ranks then agree on a run id (rank 0
-    draws it from a counter in the store), so the keys of this session never
+    draws it from a counter in the store), so the keys of this membership never
     collide with an earlier one on the same store.
 
     :raises ~gsync.ConfigError: for an unknown device type, a missing or
@@ -212,7 +212,7 @@ def join(
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
         group = dist.distributed_c10d._get_default_group()
         # The group's own view of the store (torch prefixes it with the group
-        # name), so a later session adopting this group counts runs alike.
+        # name), so a later membership adopting this group counts runs alike.
         group_store = dist.distributed_c10d._get_default_store()
         created = True
     abort = abort if abort is not None else threading.Event()
@@ -222,7 +222,7 @@ def join(
         if created:
             dist.destroy_process_group(group)
         raise
-    return DistributedSession(
+    return GroupMembership(
         group=group,
         store=group_store,
         rank=group.rank(),
