@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,14 @@ SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
         session_scenarios.failure_while_rank_0_waits_between_steps,
         _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed")),
     ),
+    "session: peer fails in evaluate": (
+        partial(session_scenarios.failures_outside_steps, "evaluate"),
+        _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed")),
+    ),
+    "session: peer's own exception": (
+        partial(session_scenarios.failures_outside_steps, "user_exception"),
+        _all(_expect(0, "PeerFailed"), _expect(1, "KeyError")),
+    ),
 }
 
 
@@ -118,8 +127,9 @@ def main() -> None:
         for name, (fn, check) in chosen.items():
             clean = 0
             started = time.monotonic()
+            target, fn_args = (fn.func, fn.args) if isinstance(fn, partial) else (fn, ())
             for attempt in range(args.repeats):
-                results = run_ranks(fn, 2, timeout=80)
+                results = run_ranks(target, 2, args=fn_args, timeout=80)
                 problem = check(results)
                 if problem is None:
                     clean += 1

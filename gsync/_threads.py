@@ -79,6 +79,7 @@ class WorkerThread:
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
         self._exit_seen = anyio.Event()
+        self._stopped = False
         # Started by the first job, so building an actor that never runs costs no thread.
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
@@ -96,6 +97,8 @@ class WorkerThread:
     def submit(self, fn: Callable[[], T], on_done: Callable[[Outcome[T]], object]) -> None:
         """Run ``fn()`` in the thread, then ``on_done(outcome)`` on the event loop.
 
+        After :meth:`stop`, ``on_done`` gets a :class:`FitAborted` outcome instead.
+
         ``on_done`` is dropped silently if the loop has closed by then: nobody
         is left to receive it.
         """
@@ -107,6 +110,10 @@ class WorkerThread:
                 outcome = Outcome(error=error)
             self._loop.call_soon(on_done, outcome)
 
+        if self._stopped:
+            # Nothing would ever run it: the thread exits at the stop already queued.
+            self._loop.call_soon(on_done, Outcome(error=FitAborted()))
+            return
         self._jobs.put(job)
         if self._thread.ident is None:
             self._thread.start()
@@ -129,7 +136,8 @@ class WorkerThread:
         return box[0].unwrap()
 
     def stop(self) -> None:
-        """Let the thread exit after the jobs already submitted."""
+        """Let the thread exit after the jobs already submitted; later jobs fail at once with :class:`FitAborted`."""
+        self._stopped = True
         self._jobs.put(_STOP)
 
     async def join(self, timeout: float) -> bool:

@@ -185,7 +185,10 @@ class DeviceActor:
                 self.grads.release()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if not forward_posted:
+            # The last backward did not run (its shard was empty, or a loss was
+            # not finite): no bucket was posted this step, so every bucket is.
             self._post_forward_done(loss_share, skip)
+            self.readiness.reset()
         if batches > 1:
             # Parameters that got gradients in earlier batches but not in the
             # last backward were left with grad None by its release().
@@ -266,6 +269,8 @@ class DeviceActor:
                     skipped = scaler.get_scale() < scale
                 else:
                     self.optimizer.step()
+                # Inside the dirty window: a checkpoint holds the scheduler's
+                # state as of the same step as the parameters'.
                 self._step_scheduler()
             finally:
                 for position in synced.unused:

@@ -56,7 +56,10 @@ async def run_fit(
                     f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
                     "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
                 )
-            await loop.call("on_fit_end", session)
+            try:
+                await loop.call("on_fit_end", session)
+            except StopTraining:
+                pass  # training has ended anyway
         finally:
             if display is not None:
                 display.close()

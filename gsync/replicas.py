@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,19 @@ def _build_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> Any:
         raise InputTypeError(
             f"scheduler(optimizer) returned a {type(scheduler).__name__}; it must return an LR scheduler "
             "(with step() and state_dict()), e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10)"
+        )
+    try:
+        required = [
+            p for p in inspect.signature(scheduler.step).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        required = []
+    if required:
+        raise InputTypeError(
+            f"{type(scheduler).__name__}.step() needs an argument ({required[0].name}), and gsync steps the scheduler "
+            "with none after every step; for a metric-driven schedule such as ReduceLROnPlateau, leave scheduler= "
+            "out and adjust the learning rate from your loop"
         )
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ConfigError(

@@ -25,6 +25,7 @@ What happens when things go wrong, in the terms of structured concurrency:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -37,7 +38,7 @@ import torch
 from anyio.abc import ObjectSendStream
 from torch import nn
 
-from ._threads import LoopHandle, WorkerThread
+from ._threads import FitAborted, LoopHandle, WorkerThread
 from .actor import DeviceActor, MetricFn
 from .agreement import LocalAgreement, StepAgreement
 from .batches import batch_rows, shard_rows, split_batch
@@ -87,6 +88,7 @@ _DIST_TEARDOWN_S = 10.0
 _DEPARTED = "SessionClosed"
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
+logger = logging.getLogger("gsync")
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,12 @@ class Session:
         self._ended = False
         self._stepping = False
         self._operations_done = 0
+        self._op_scope: anyio.CancelScope | None = None
+        self._failing = False
+        self._settled = anyio.Event()
+        self._checkpoint_attempted: set[int] = set()
         self._failure: BaseException | None = None
-        self._reported: GsyncError | None = None
+        self._reported: BaseException | None = None
         self._peer_left: FailureReport | None = None
         self._torn_down = False
         # Built by _start; teardown copes with any prefix of them.
@@ -230,13 +236,13 @@ class Session:
 
         fn = metric_fn if metric_fn is not None else loss
         failure: BaseException | None = None
-        with self._operation():
-            try:
+        try:
+            async with self._operation():
                 names, totals = await self._evaluate(data, fn)
-            except BaseExceptionGroup as errors:
-                failure = first_failure(errors)
-            except GsyncError as error:
-                failure = error
+        except BaseExceptionGroup as errors:
+            failure = first_failure(errors)
+        except GsyncError as error:
+            failure = error
         if failure is not None:
             raise self._fail(failure)
         total_rows = float(totals[-1])
@@ -264,10 +270,15 @@ class Session:
                     sums[name] = sums.get(name, 0.0) + value
             rows_seen += sum(counts)
         names = sorted(sums)
-        totals = torch.tensor([sums[name] for name in names] + [float(rows_seen)], dtype=torch.float64)
         runtime = self._runtime
         if runtime is not None:
-            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"))
+            # A rank whose devices saw no rows, or a metric whose keys depend on
+            # the data, knows other names: reduce over the union, in one order.
+            local = names
+            names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
+        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
+        if runtime is not None:
+            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
         return names, totals
 
     async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
@@ -291,11 +302,13 @@ class Session:
             return value
         tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)  # type: ignore[union-attr]
         failure: GsyncError | None = None
-        with self._operation():
-            try:
-                reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op))
-            except GsyncError as error:
-                failure = error
+        try:
+            async with self._operation():
+                reduced = await self._collective_job(
+                    lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op), "all_reduce"
+                )
+        except GsyncError as error:
+            failure = error
         if failure is not None:
             raise self._fail(failure)
         if op == "mean":
@@ -324,7 +337,7 @@ class Session:
         weights = tuple(shard.weight for shard in shards)
         local_rows = sum(sum(shard.rows) for shard in shards)
         started = time.perf_counter()
-        with self._operation():
+        async with self._operation():
             self._server_mailbox.post(StepDispatched(step, weights, local_rows, last))  # type: ignore[union-attr]
             for send, shard in zip(self._shard_sends, shards):
                 await send.send(shard)
@@ -401,22 +414,44 @@ class Session:
                 "session does one thing at a time: await each call before the next"
             )
 
-    @contextmanager
-    def _operation(self) -> Iterator[None]:
-        """One step, evaluate or all_reduce: across processes, the ranks' n-th operations meet in collectives.
+    @asynccontextmanager
+    async def _operation(self) -> AsyncIterator[None]:
+        """One step, evaluate or all_reduce; across processes the ranks' n-th operations meet in collectives.
 
-        A peer that left its session after ``n`` operations makes this
-        rank's next one, if it is the (n+1)-th or later, raise :class:`~gsync.PeerFailed`.
+        - A peer that left its session after ``n`` operations makes this
+          rank's next one, if it is the (n+1)-th or later, raise :class:`~gsync.PeerFailed`.
+        - If the session fails meanwhile (a device, a collective, a peer), the
+          operation is cancelled and raises that failure.
+        - If the caller cancels it midway, the session is closed: devices may
+          be inside the step, and across processes the ranks' collectives
+          would no longer match.
         """
         left = self._peer_left
         if left is not None and self._operations_done >= left.operations:
             raise self._fail(peer_failed(left))
+        scope = anyio.CancelScope()
+        self._op_scope = scope
         self._stepping = True
+        symptom = False
         try:
-            yield
-            self._operations_done += 1
+            with scope:
+                yield
+        except BaseException as error:
+            if not self._failing:
+                if is_cancellation(error):
+                    self._fail(SessionClosed("an operation of this session was cancelled midway, so the session is closed"))
+                raise
+            # A symptom of the failure being settled (a stopped thread, a closed
+            # mailbox): wait for the failure itself and raise it instead.
+            with anyio.CancelScope(shield=True):
+                await self._settled.wait()
+            symptom = True
         finally:
             self._stepping = False
+            self._op_scope = None
+        if symptom or scope.cancelled_caught:
+            raise self._failure or SessionClosed("the session closed during an operation")
+        self._operations_done += 1
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close the session for good because of ``error`` (raised by the caller)."""
@@ -431,10 +466,33 @@ class Session:
         assert self._loop is not None
         return self._loop
 
-    async def _collective_job(self, job: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Run a collective in the communication thread, after anything it already holds."""
+    async def _collective_job(self, job: Callable[[], Any], what: str) -> Any:
+        """Run a collective in the communication thread, after anything it already holds, within ``sync_timeout``.
+
+        :raises ~gsync.SyncFailed: when the collective raises (a peer's
+            reported failure, if any, is raised instead: :class:`~gsync.PeerFailed`).
+        :raises ~gsync.SyncTimeout: when it does not complete in time.
+        """
         assert self._server is not None
-        return await self._server.comm.run(job)
+        timeout = self._engine.sync_timeout
+        step = self._next_step - 1
+        failure: GsyncError | None = None
+        with anyio.move_on_after(timeout) as deadline:
+            try:
+                return await self._server.comm.run(job)
+            except (GsyncError, FitAborted):
+                raise
+            except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
+                failure = SyncFailed(step, None, f"{what} failed")
+                failure.__cause__ = error
+        if failure is None:
+            self._abort.set()  # the collective's thread leaves its wait
+            failure = SyncTimeout(step, timeout, site=what)
+        runtime = self._runtime
+        if runtime is not None:
+            blamed = failure
+            failure = await self._in_setup(lambda: runtime.blame_peer(blamed), failure)
+        raise failure
 
     # -- life: open ----------------------------------------------------------------
 
@@ -556,16 +614,24 @@ class Session:
                 group.cancel_scope.cancel()
         except BaseExceptionGroup as errors:
             if is_cancellation(errors):
+                self._settled.set()
                 raise
-            failure = await self._settle(errors)
+            closed_already = self._failure is not None
+            self._failing = True
+            try:
+                failure = await self._settle(errors)
+                self._fail(failure)
+            finally:
+                self._settled.set()
         else:
+            self._settled.set()
             return
-        self._fail(failure)
-        waiting = self._stepping
-        if self._session_mailbox is not None:
-            self._session_mailbox.discard()
-        if not waiting:
-            raise failure
+        if closed_already:
+            return  # an operation closed the session; its caller already knows
+        if self._stepping and self._op_scope is not None:
+            self._op_scope.cancel()  # the operation raises the failure
+            return
+        raise failure
 
     async def _watch_peers(self) -> None:
         """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`.
@@ -653,7 +719,8 @@ class Session:
             self._attach_checkpoint(failure)
         return failure
 
-    async def _report(self, failure: GsyncError) -> None:
+    async def _report(self, failure: BaseException) -> None:
+        """Tell the other ranks why this rank's session is ending, unless it was because of them."""
         runtime = self._runtime
         if runtime is None or failure is self._reported or isinstance(failure, PeerFailed):
             return
@@ -678,7 +745,12 @@ class Session:
         if setup is None:
             return default
         with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
-            return await setup.run(job)
+            try:
+                return await setup.run(job)
+            except Exception as error:  # noqa: BLE001 - a store gone with a dead host must not hide the failure
+                logger.warning("gsync: talking to the other ranks failed while closing the session: %r", error)
+                return default
+        logger.warning("gsync: talking to the other ranks took over %g s while closing the session", _DIST_TEARDOWN_S)
         return default
 
     async def _close(self) -> None:
@@ -701,9 +773,10 @@ class Session:
                 self.model.load_state_dict(self._actors[0].replica.state_dict())
 
     def _attach_checkpoint(self, failure: GsyncError) -> None:
-        """Give ``failure`` the most advanced consistent state any replica still holds."""
-        if not self._actors:
+        """Give ``failure`` the most advanced consistent state any replica still holds (tried once per failure)."""
+        if not self._actors or id(failure) in self._checkpoint_attempted:
             return
+        self._checkpoint_attempted.add(id(failure))
         try:
             checkpoint = self._last_consistent()
         except Exception as error:  # noqa: BLE001 - the original failure matters more
@@ -756,13 +829,16 @@ async def open_session(
             if session._failure is None:
                 await session._announce_departure()
                 session._finish()
-        elif isinstance(raised, GsyncError):
-            if not isinstance(raised, SessionClosed) and raised is not session._failure:
+            else:
+                # The user caught the failure and left normally: peers still learn of it.
+                await session._report(session._failure)
+        else:
+            if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not session._failure:
                 session._fail(raised)
-            if raised.checkpoint is None and raised is session._failure:
-                session._attach_checkpoint(raised)
-            # Before the group goes down, so peers learn why instead of seeing connections close.
-            await session._report(raised)
+            # Whatever ended this rank's block (the user's own exception, a
+            # cancellation), peers learn of it before the group goes down,
+            # instead of waiting in a collective for a rank that has left.
+            await session._report(session._failure if isinstance(raised, SessionClosed) and session._failure else raised)
     finally:
         await session._close()
     if raised is not None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd
+from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
 
@@ -221,3 +221,39 @@ async def test_fp16_grad_scalers_agree_when_one_device_overflows() -> None:
     assert [r.skipped for r in results] == [False, True, False, False]
     assert scales[0] == scales[1] == 65536.0 / 2
     assert checkpoint.scaler_state is not None and checkpoint.scaler_state["scale"] == 32768.0
+
+
+class Dense(nn.Module):
+    """Every parameter gets a gradient on every non-empty shard, in several buckets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
+@pytest.mark.parametrize("rows", [[8, 8, 1], [8, 1, 8]])
+async def test_a_device_with_an_empty_shard_still_posts_every_bucket(rows: list[int]) -> None:
+    """A DataLoader's short last batch leaves some devices without rows; the step must not stall."""
+    torch.manual_seed(0)
+    model = Dense()
+    batches = [make_batches(1, n, seed=i)[0] for i, n in enumerate(rows)]
+    expected, losses = train_reference(model, batches)
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.001, bucket_cap_mb=0.002, sync_timeout=10)
+    result = await engine.fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
+    assert result.stats.buckets >= 2
+    assert_same_state(result.model, expected)
+    assert result.losses == pytest.approx(losses, abs=2e-5)
+
+
+async def test_accumulation_whose_last_batch_leaves_a_device_empty() -> None:
+    torch.manual_seed(0)
+    model = Dense()
+    steps = [[make_batches(1, 8, seed=1)[0], make_batches(1, 1, seed=2)[0]], [make_batches(1, 5, seed=3)[0], make_batches(1, 1, seed=4)[0]]]
+    expected, losses, _, _ = plain_loop(model, steps)
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], first_bucket_mb=0.001, bucket_cap_mb=0.002, sync_timeout=10)
+    trained, results, _ = await session_loop(engine, model, steps, optimizer=sgd)
+    assert_same_state(trained, expected)
+    assert [r.loss for r in results] == pytest.approx(losses, abs=2e-5)

@@ -304,3 +304,27 @@ async def test_a_session_used_from_an_asyncio_task_group_too() -> None:
 
         task = group.create_task(train())
     assert task.result() > 0
+
+
+async def test_cancelling_one_step_midway_closes_the_session(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=1, step=1, site="backward")
+    with gsync.testing.inject(engine, fault):
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(make_batches(1, 8)[0])
+            with anyio.move_on_after(0.2) as scope:
+                await session.step(make_batches(1, 8)[0])
+            assert scope.cancelled_caught
+            with pytest.raises(gsync.SessionClosed, match="cancelled midway"):
+                await session.step(make_batches(1, 8)[0])
+    assert gsync_threads() == []
+
+
+async def test_a_scheduler_that_needs_a_metric_is_refused_with_what_to_do() -> None:
+    engine = gsync.Engine(TWO)
+    with pytest.raises(gsync.InputTypeError, match="ReduceLROnPlateau"):
+        async with engine.session(
+            TiedNet(), optimizer=sgd, loss_fn=classification_loss,
+            scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
+        ):
+            pass

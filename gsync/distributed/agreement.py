@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..topology import Topology
 from .membership import GroupMembership
 
-__all__ = ("agree_on_order", "broadcast_module_state", "gather_topology", "verify_same_parameters")
+__all__ = ("agree_on_order", "broadcast_module_state", "gather_topology", "union_of_names", "verify_same_parameters")
 
 # Module state is broadcast in byte buffers of at most this size, so a large
 # model is not duplicated in memory all at once.
@@ -224,3 +224,14 @@ def agree_on_order(member: GroupMembership, order: Sequence[int]) -> list[int]:
     agreed = torch.tensor(list(order), dtype=torch.int64).to(member.device)
     member.wait(dist.broadcast(agreed, src=member.source_rank, group=member.group, async_op=True))
     return [int(position) for position in agreed.tolist()]
+
+
+def union_of_names(member: GroupMembership, names: Sequence[str]) -> list[str]:
+    """Every name any rank holds, sorted: the same list on every rank. Collective.
+
+    Values reduced by name (metrics) are laid out in this order, so a rank
+    that saw no data, or data that gave its metric function other keys, still
+    reduces tensors of the same size and meaning as its peers.
+    """
+    gathered = _all_gather_bytes(member, msgspec.msgpack.encode(sorted(names)))
+    return sorted({name for raw in gathered for name in msgspec.msgpack.decode(raw, type=list[str])})

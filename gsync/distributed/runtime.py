@@ -19,7 +19,7 @@ from torch import nn
 from ..agreement import AgreedStep, StepFacts
 from ..errors import ConfigError, GsyncError, PeerFailed, SyncTimeout
 from ..topology import Topology
-from .agreement import agree_on_order, broadcast_module_state, gather_topology, verify_same_parameters
+from .agreement import agree_on_order, broadcast_module_state, gather_topology, union_of_names, verify_same_parameters
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
 from .membership import GroupMembership, join
 
@@ -149,10 +149,14 @@ class ProcessGroupRuntime:
     def watch(self, callback: Callable[[FailureReport], object]) -> None:
         self.board.start_watching(callback)
 
-    def report(self, error: GsyncError) -> None:
-        """Tell the other ranks why this rank's fit is ending (not for :class:`~gsync.PeerFailed`)."""
+    def report(self, error: BaseException) -> None:
+        """Tell the other ranks why this rank's run is ending (not for :class:`~gsync.PeerFailed`)."""
         if not isinstance(error, PeerFailed):
             self.board.report(failure_report(self.membership.rank, error))
+
+    def union_of_names(self, names: Sequence[str]) -> list[str]:
+        """Every rank's names, sorted. Collective."""
+        return union_of_names(self.membership, names)
 
     def blame_peer(self, error: GsyncError) -> GsyncError:
         """For a failed or stalled collective, the peer's failure that caused it, if one was reported.

@@ -160,3 +160,59 @@ def test_a_peer_failure_between_steps_cancels_the_users_code() -> None:
     assert waiting.value["type"] == "PeerFailed" and "boom on rank 1" in waiting.value["message"]
     assert waiting.value["reached"] == ["waiting"]
     assert waiting.value["elapsed"] < 20
+
+
+def failures_outside_steps(case: str) -> dict[str, Any]:
+    """Rank 1 fails (or leaves with the user's own exception) while rank 0 is in evaluate or all_reduce."""
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    started = time.monotonic()
+
+    def broken_metric(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        raise ValueError("metric bug on rank 1")
+
+    async def main() -> None:
+        engine = gsync.Engine(["cpu"], sync_timeout=20)
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(make_batches(1, 8)[0])
+            if case == "evaluate":
+                metric = broken_metric if rank == 1 else None
+                await session.evaluate(make_batches(3, 8), metric_fn=metric)
+            elif rank == 1:
+                raise KeyError("the user's own bug on rank 1")
+            else:
+                await session.all_reduce(1.0)
+
+    try:
+        asyncio.run(main())
+    except (gsync.GsyncError, KeyError) as error:
+        return {"type": type(error).__name__, "message": str(error), "elapsed": time.monotonic() - started}
+    return {"type": None}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["evaluate", "user_exception"])
+def test_a_peer_failing_outside_a_step_is_named_not_waited_for(case: str) -> None:
+    peer, failed = run_ranks(failures_outside_steps, 2, args=(case,), timeout=80, check=True)
+    assert failed.value["type"] == ("WorkerFailed" if case == "evaluate" else "KeyError"), failed.value
+    assert peer.value["type"] == "PeerFailed", peer.value
+    assert ("metric bug on rank 1" if case == "evaluate" else "the user's own bug on rank 1") in peer.value["message"]
+    assert peer.value["elapsed"] < 20
+
+
+def evaluate_with_a_rank_that_gets_no_rows() -> dict[str, float]:
+    import gsync
+
+    async def main() -> dict[str, float]:
+        engine = gsync.Engine(["cpu"], sync_timeout=20)
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            return await session.evaluate(make_batches(1, 1))  # one row: rank 1's device gets none
+
+    return asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_evaluate_when_one_rank_gets_no_rows() -> None:
+    results = run_ranks(evaluate_with_a_rank_that_gets_no_rows, 2, timeout=80, check=True)
+    assert results[0].value == results[1].value and set(results[0].value) == {"loss"}
