@@ -150,7 +150,10 @@ class Engine:
           replica (on every process) skips or steps together and the scales
           stay equal.
 
-        The block is one anyio task group: a failure raises from ``step``
+        The block is one anyio task group, so it lives in one task: enter
+        and leave it in the same task (not across notebook cells, and not
+        from a pytest fixture that yields the session; yield the engine and
+        open the session in the test). A failure raises from ``step``
         (or, between steps, cancels your code and raises from the ``async
         with``), with the same errors as :meth:`fit`; the session is closed
         afterwards. Everything the session started is stopped when the block

@@ -122,7 +122,7 @@ class Session:
     ) -> None:
         self._engine = engine
         self.model = model
-        """The module passed in; it receives the trained weights when the block ends without an error."""
+        """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
         self._recipe = recipe
         self._resume = resume
         self._process_local = bool(process_local_data)
@@ -219,8 +219,11 @@ class Session:
         session's ``loss_fn``. ``metric_fn(model, shard)`` returns a scalar
         (reported under the function's name) or a dict of scalars. Each batch
         is split over the devices as in :meth:`step` (with process-local data,
-        over this process's devices); across processes this is a collective:
-        every rank must call it with the same number of batches. Module modes
+        over this process's devices). Across processes this is a collective:
+        every rank calls it at the same point of its loop (not only rank 0, as
+        DDP scripts often validate; a rank that skips it leaves the others
+        waiting until ``sync_timeout``); ranks may see different numbers of
+        rows, and a metric's names are combined over every rank. Module modes
         are restored afterwards.
 
         :raises ~gsync.WorkerFailed: when ``metric_fn`` raises on a device.
@@ -286,7 +289,8 @@ class Session:
 
         ``value`` is a number or a tensor (the same shape on every rank);
         ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. Across
-        processes it is a collective: every rank must call it, in the same order.
+        processes it is a collective: every rank must call it, in the same
+        order, with a value of the same shape and dtype.
 
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
