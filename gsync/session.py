@@ -31,7 +31,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import torch
@@ -89,6 +89,7 @@ _DEPARTED = "SessionClosed"
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 logger = logging.getLogger("gsync")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -342,7 +343,7 @@ class Session:
         local_rows = sum(sum(shard.rows) for shard in shards)
         started = time.perf_counter()
         async with self._operation():
-            self._server_mailbox.post(StepDispatched(step, weights, local_rows, last))  # type: ignore[union-attr]
+            _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last))
             for send, shard in zip(self._shard_sends, shards):
                 await send.send(shard)
             applied = await self._await_applied(step)
@@ -383,8 +384,7 @@ class Session:
         )
 
     async def _await_applied(self, step: int) -> StepApplied:
-        mailbox = self._session_mailbox
-        assert mailbox is not None
+        mailbox = _built(self._session_mailbox)
         first: StepApplied | None = None
         for _ in self._actors:
             try:
@@ -397,8 +397,7 @@ class Session:
             if message.step != step:
                 raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
             first = first or message
-        assert first is not None
-        return first
+        return _built(first)
 
     # -- state checks ------------------------------------------------------------
 
@@ -467,8 +466,7 @@ class Session:
         return error
 
     def _loop_handle(self) -> LoopHandle:
-        assert self._loop is not None
-        return self._loop
+        return _built(self._loop)
 
     async def _collective_job(self, job: Callable[[], Any], what: str) -> Any:
         """Run a collective in the communication thread, after anything it already holds, within ``sync_timeout``.
@@ -477,13 +475,13 @@ class Session:
             reported failure, if any, is raised instead: :class:`~gsync.PeerFailed`).
         :raises ~gsync.SyncTimeout: when it does not complete in time.
         """
-        assert self._server is not None
+        server = _built(self._server)
         timeout = self._engine.sync_timeout
         step = self._next_step - 1
         failure: GsyncError | None = None
         with anyio.move_on_after(timeout) as deadline:
             try:
-                return await self._server.comm.run(job)
+                return await server.comm.run(job)
             except (GsyncError, FitAborted):
                 raise
             except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
@@ -606,13 +604,13 @@ class Session:
         then raises it, otherwise it is raised into the task group, which
         cancels the user's code.
         """
-        assert self._server is not None
+        server = _built(self._server)
         try:
             async with anyio.create_task_group() as group:
                 if self._runtime is not None:
                     group.start_soon(self._watch_peers)
                 async with anyio.create_task_group() as work:
-                    work.start_soon(self._server.run)
+                    work.start_soon(server.run)
                     for actor, (_, receive) in zip(self._actors, self._shard_streams):
                         work.start_soon(actor.run, receive)
                 group.cancel_scope.cancel()
@@ -643,8 +641,7 @@ class Session:
         A rank that left its session normally is a failure only for a step
         it never took part in: it is noted, and the next step past it raises.
         """
-        runtime, setup, loop = self._runtime, self._setup, self._loop_handle()
-        assert runtime is not None and setup is not None
+        runtime, setup, loop = _built(self._runtime), _built(self._setup), self._loop_handle()
         arrived = anyio.Event()
         reports: list[FailureReport] = []
 
@@ -887,6 +884,13 @@ async def _iterate(data: Iterable[Any] | AsyncIterable[Any], loop: LoopHandle) -
     finally:
         worker.stop()
         await worker.join(_THREAD_GRACE_S)
+
+
+def _built(value: _T | None) -> _T:
+    """A part of the session that exists once it is open."""
+    if value is None:
+        raise SessionClosed("the session is not open: use it inside `async with engine.session(...)`")
+    return value
 
 
 def _local_collective(engine: Engine, streams: StreamSync) -> Collective:
