@@ -13,7 +13,7 @@ raising it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +104,7 @@ class Feeder:
         except (ConfigError, InputTypeError, DataFailed) as error:
             await send.send(ReadFailed(error))
 
-    async def _batches(self, index: int) -> AsyncIterator[Any]:
+    async def _batches(self, index: int) -> AsyncGenerator[Any, None]:
         """Yield the batches of one epoch; a failure of the user's iterable becomes :class:`DataFailed`."""
         data = self._data
         if isinstance(data, (list, tuple)):

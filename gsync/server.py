@@ -15,7 +15,7 @@ starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 
@@ -187,8 +187,8 @@ class SyncServer:
             self._rebuild.apply()
         if agreed.skip:
             self.skipped_steps.append(step)
-        for device in self._devices:
-            device.mailbox.post(StepSynced(step, agreed.unused, agreed.skip, agreed.loss))
+        for endpoint in self._devices:
+            endpoint.mailbox.post(StepSynced(step, agreed.unused, agreed.skip, agreed.loss))
 
     def _finish_step(self, facts: StepFacts) -> bool:
         """After the last reduction: broadcast buffers, agree across ranks, observe the first step's order.
@@ -240,14 +240,14 @@ class SyncServer:
             self._buffers.broadcast(self._collective, step)
         streams.after_broadcast()
 
-    def _submit(self, step: int, bucket: int, job: partial[None]) -> None:
+    def _submit(self, step: int, bucket: int, job: Callable[[], None]) -> None:
         if self._trace is not None:
             name = "finish_step" if bucket == _FINISH else "all_reduce"
             job = partial(self._traced, self._trace.span(name, step, bucket=bucket), job)
         self.comm.submit(job, partial(self._on_comm_done, step, bucket))
 
     @staticmethod
-    def _traced(span: AbstractContextManager[None], job: partial[None]) -> None:
+    def _traced(span: AbstractContextManager[None], job: Callable[[], None]) -> None:
         with span:
             job()
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import torch
-from anyio.abc import ObjectSendStream
+from anyio.streams.memory import MemoryObjectSendStream
 from torch import nn
 
 from ._threads import FitAborted, LoopHandle, WorkerThread
@@ -154,7 +154,7 @@ class Session:
         self._buffers: BufferSync | None = None
         self._rebuild: PlanRebuild | None = None
         self._context: ActorContext | None = None
-        self._shard_sends: list[ObjectSendStream[Shard]] = []
+        self._shard_sends: list[MemoryObjectSendStream[Shard]] = []
         self._shard_streams: list[Any] = []
         self._server_mailbox: Mailbox[ServerMessage] | None = None
         self._session_mailbox: Mailbox[SessionMessage] | None = None
@@ -715,7 +715,8 @@ class Session:
             # ranks whose collective failed do not each wait for the other.
             await self._report(failure)
             if isinstance(failure, (SyncFailed, SyncTimeout)):
-                failure = await self._in_setup(lambda: runtime.blame_peer(failure), failure)
+                collective_failure = failure
+                failure = await self._in_setup(lambda: runtime.blame_peer(collective_failure), failure)
         if isinstance(failure, GsyncError):
             self._attach_checkpoint(failure)
         return failure

@@ -508,7 +508,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     monkeypatch.setattr(torch.cuda, "device", fake.device)
     monkeypatch.setattr(torch.cuda, "stream", fake.stream)
     monkeypatch.setattr(torch.cuda, "Stream", fake.new_stream)
-    monkeypatch.setattr(torch.cuda, "Event", lambda **_: FakeEvent(fake))
+    # Built with no arguments, as torch.cuda.Event allows none that gsync would need
+    # (it has no `disable_timing`: passing one failed only on a real GPU).
+    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(fake))
 
     def no_host_sync(*_: object) -> None:
         raise AssertionError("torch.cuda.synchronize() called")

@@ -60,8 +60,8 @@ class NcclCollective:
             _require_nccl(self._devices)
         self._comm = [streams.comm_cuda_stream(i) for i in range(len(self._devices))]
         # Reused every call: each is recorded and waited on within one call, in this thread.
-        self._before = [torch.cuda.Event(disable_timing=True) for _ in self._devices]
-        self._after = [torch.cuda.Event(disable_timing=True) for _ in self._devices]
+        self._before = [torch.cuda.Event() for _ in self._devices]
+        self._after = [torch.cuda.Event() for _ in self._devices]
         self._closed = False
 
     @property

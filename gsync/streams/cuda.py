@@ -51,7 +51,8 @@ def cuda_devices(devices: Sequence[torch.device | str], what: str) -> tuple[torc
 
 def _event() -> torch.cuda.Event:
     # The CUDA event behind it is created lazily, on the first record.
-    return torch.cuda.Event(disable_timing=True)
+    # Timing stays off (the default), which makes events cheaper to record.
+    return torch.cuda.Event()
 
 
 class CudaStreamSync:
