@@ -6,6 +6,7 @@ from .comm.local import LocalCollective as LocalCollective
 from .engine import Engine as Engine
 from .engine import FitResult as FitResult
 from .engine import FitStats as FitStats
+from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
 from .errors import DataFailed as DataFailed
 from .errors import FitError as FitError
@@ -28,6 +29,7 @@ from .trace import TraceEvent as TraceEvent
 
 __all__ = (
     "Checkpoint",
+    "CheckpointError",
     "Collective",
     "ConfigError",
     "DataFailed",

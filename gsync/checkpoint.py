@@ -6,17 +6,29 @@ whose optimizer is not mid-step holds the state after some fully reduced step:
 when ``fit`` fails, the engine takes the checkpoint from the most advanced such
 replica. Buffers (BatchNorm statistics) change during forward, so they come
 from the snapshot the buffer broadcast of that step already made.
+
+A checkpoint saves to and loads from a file (:meth:`Checkpoint.save`,
+:meth:`Checkpoint.load`): written atomically, read without running code.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from .errors import CheckpointError, ConfigError
+
 __all__ = ("Checkpoint",)
+
+_FORMAT = "gsync-checkpoint"
+_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,98 @@ class Checkpoint:
     @property
     def next_step(self) -> int:
         return self.step + 1
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the checkpoint to ``path`` atomically; returns the path.
+
+        The file is written next to its final name, flushed and fsynced, then
+        renamed over it (and the directory fsynced), so a crash at any moment
+        leaves either the previous file or the complete new one, never a
+        torn one. Blocks for the size of the state: from async code, call it
+        in a thread (``await anyio.to_thread.run_sync(checkpoint.save, path)``).
+        """
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        payload = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "step": self.step,
+            "model_state": self.model_state,
+            "optimizer_state": self.optimizer_state,
+            "scheduler_state": self.scheduler_state,
+            "scaler_state": self.scaler_state,
+        }
+        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        try:
+            with os.fdopen(handle, "wb") as file:
+                torch.save(payload, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Checkpoint:
+        """Read a checkpoint written by :meth:`save`, onto the CPU.
+
+        The file is read with ``torch.load(weights_only=True)``: it holds
+        tensors and plain values only, and reading it cannot run code.
+
+        :raises ~gsync.CheckpointError: naming the file, when it is missing,
+            truncated, corrupt, not a gsync checkpoint, or of a newer format.
+        """
+        source = Path(path)
+        try:
+            payload = torch.load(source, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"no checkpoint file at {source}") from None
+        except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, OSError) as error:
+            raise CheckpointError(
+                f"{source} cannot be read as a gsync checkpoint (truncated, corrupt, or not written by "
+                f"Checkpoint.save): {error}"
+            ) from error
+        if not isinstance(payload, dict) or payload.get("format") != _FORMAT:
+            raise CheckpointError(f"{source} is not a gsync checkpoint (no gsync format marker); write one with Checkpoint.save")
+        version = payload.get("version")
+        if not isinstance(version, int) or version > _VERSION:
+            raise CheckpointError(
+                f"{source} has checkpoint format version {version!r}, newer than this gsync reads ({_VERSION}); "
+                "upgrade gsync"
+            )
+        try:
+            return cls(
+                step=int(payload["step"]),
+                model_state=dict(payload["model_state"]),
+                optimizer_state=dict(payload["optimizer_state"]),
+                scheduler_state=payload.get("scheduler_state"),
+                scaler_state=payload.get("scaler_state"),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{source} is a damaged gsync checkpoint: missing or bad {error}") from error
+
+    def check_fits(self, model: nn.Module) -> None:
+        """Check that this checkpoint is of ``model``'s architecture, before anything is built from it.
+
+        :raises ~gsync.ConfigError: naming the first key that is missing,
+            unexpected, or of another shape.
+        """
+        expected = model.state_dict()
+        for name, value in expected.items():
+            if name not in self.model_state:
+                raise ConfigError(f"the checkpoint (step {self.step}) has no {name!r}, which the model has: it is of another model")
+            saved = self.model_state[name]
+            if tuple(saved.shape) != tuple(value.shape):
+                raise ConfigError(
+                    f"the checkpoint's {name!r} has shape {tuple(saved.shape)}, the model's {tuple(value.shape)}: "
+                    "it is of another model (or another configuration of it)"
+                )
+        for name in self.model_state:
+            if name not in expected:
+                raise ConfigError(f"the checkpoint (step {self.step}) has {name!r}, which the model does not: it is of another model")
 
     @classmethod
     def capture(
@@ -70,3 +174,15 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, list):
         return [_to_cpu(item) for item in value]
     return value
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # a platform without directory descriptors (Windows): the rename is what it can do
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -316,7 +316,11 @@ def _recipe(
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
         raise ConfigError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
     if resume is not None and not isinstance(resume, Checkpoint):
-        raise InputTypeError(f"resume must be a gsync.Checkpoint (an error's or a result's), got {type(resume).__name__}")
+        raise InputTypeError(
+            f"resume must be a gsync.Checkpoint (an error's, a result's, or Checkpoint.load(path)), got {type(resume).__name__}"
+        )
+    if resume is not None:
+        resume.check_fits(model)
     return Recipe(
         loss_fn=loss_fn,  # type: ignore[arg-type]
         optimizer=optimizer,  # type: ignore[arg-type]

@@ -25,6 +25,7 @@ __all__ = (
     "DataFailed",
     "SessionClosed",
     "StopTraining",
+    "CheckpointError",
 )
 
 
@@ -234,4 +235,11 @@ class StopTraining(Exception):
     """Raise from a ``fit`` callback to end training after the current step; ``fit`` returns normally.
 
     Not an error: the result holds every step done so far.
+    """
+
+
+class CheckpointError(GsyncError, ValueError):
+    """A checkpoint file that cannot be used: missing, truncated, corrupt, foreign, or of a newer format.
+
+    The message names the file.
     """
