@@ -3,7 +3,9 @@ and the torch-threads experiment. Each function runs in a fresh worker process."
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -66,11 +68,14 @@ async def gsync_steps(
     threads: int | None = None,
     threads_mode: str = "main",
     loop: str = "fit",
+    checkpoint_every: int | None = None,
 ) -> dict[str, Any]:
     """(c) gsync on ``devices`` virtual CPU devices, reference workload.
 
     ``loop`` is ``"fit"`` or ``"session"`` (a plain ``for`` loop awaiting
-    ``session.step`` per batch, as a user's own loop would).
+    ``session.step`` per batch, as a user's own loop would). With
+    ``checkpoint_every`` the measured fit writes checkpoints into a temporary
+    directory every that many steps (and at the end).
 
     A first fit of ``warmup`` steps warms the process (allocator, OpenMP pools); a second,
     traced fit of ``steps`` steps is measured. Step time = period between consecutive
@@ -109,6 +114,7 @@ async def gsync_steps(
     data = make_batches(steps)
     probe.samples.clear()
     window = Window()
+    sizes: list[int] = []
     started = time.perf_counter()
     if loop == "session":
         async with engine.session(model, optimizer=sgd, loss_fn=probed_loss) as session:
@@ -116,7 +122,10 @@ async def gsync_steps(
                 await session.step(batch)
             trace, stats = session.trace, session.stats
     else:
-        result = await engine.fit(model, data, optimizer=sgd, loss_fn=probed_loss)
+        with tempfile.TemporaryDirectory(prefix="gsync-bench-ckpt-") as directory:
+            extra: dict[str, Any] = {} if checkpoint_every is None else {"checkpoint_dir": directory, "checkpoint_every": checkpoint_every}
+            result = await engine.fit(model, data, optimizer=sgd, loss_fn=probed_loss, **extra)
+            sizes = [os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)]
         trace, stats = result.trace, result.stats
     wall = time.perf_counter() - started
     win = window.stop()
@@ -128,6 +137,8 @@ async def gsync_steps(
     cpu_per_step, faults_per_step = probe.steady_state()
     return {
         "devices": devices,
+        "checkpoint_every": checkpoint_every,
+        "checkpoint_mib": max(sizes) / 2**20 if sizes else None,
         "bucket_cap_mb": bucket_cap_mb,
         "step": summarize_ms([p / 1e6 for p in periods]),
         "wall_ms_per_step_incl_fit_setup": wall * 1e3 / steps,

@@ -211,6 +211,22 @@ def print_threads(threads: dict[str, Any]) -> None:
           "   fresh worker/comm threads inherit it; set inside a worker, it changes that worker at once)")
 
 
+def print_checkpoint(checkpoint: dict[str, Any]) -> None:
+    print("\n== checkpoints: fit(checkpoint_dir=..., checkpoint_every=N), reference MLP, 2 CPU devices ==")
+    base = checkpoint.get("none")
+    print(f"{'checkpoint_every':18} {'ms/step (median)':>16} {'mean ms/step':>13} {'vs none':>8} {'file MiB':>9}")
+    for key, label in (("none", "never"), ("every_50", "50"), ("every_1", "1")):
+        run = checkpoint.get(key)
+        if run is None:
+            continue
+        ratio = run["wall_ms_per_step_incl_fit_setup"] / base["wall_ms_per_step_incl_fit_setup"] if base else float("nan")
+        size = run.get("checkpoint_mib")
+        print(f"{label:18} {run['step']['median_ms']:16.1f} {run['wall_ms_per_step_incl_fit_setup']:13.1f} "
+              f"{ratio:8.3f} {_fmt(size, '9.1f')}")
+    print("(mean ms/step = wall time of the whole fit / steps, so a write every 50 steps shows up in it; the median "
+          "of the per-step periods does not)")
+
+
 def print_ablation(ablation: dict[str, Any]) -> None:
     print("\n== 5. ablation: the 2-replica floor (2 threads x 1 torch thread, NO sync) with gsync's gradient handling ==")
     base = ablation.get("fresh", {}).get("median_ms")

@@ -16,6 +16,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
   sequentially in one thread), messages per step
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
 - ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it
+- ``checkpoint`` (full mode, or on request): gsync's step time with ``fit(checkpoint_dir=...)`` writing
+  every step and every 50 steps, against none (100 measured steps each)
 - ``ablation`` (full mode, or on request): the 2-replica floor holding gradients the way gsync
   does (persistent bucket views, zeroed and accumulated) vs plain PyTorch vs DDP-style copies
 
@@ -44,7 +46,7 @@ from bench import report  # noqa: E402
 from bench.common import NOISY_CORES, median, other_load, system_busy_s  # noqa: E402
 from bench.isolate import ROOT, TaskFailed, run_ddp, run_task  # noqa: E402
 
-SECTIONS = ("step", "memory", "control", "sweeps", "threads", "ablation")
+SECTIONS = ("step", "memory", "control", "sweeps", "threads", "checkpoint", "ablation")
 QUICK_DEFAULT = ("step", "memory", "control", "sweeps", "threads")  # ablation only on request in --quick
 
 
@@ -324,6 +326,20 @@ def section_threads(runner: Runner, step: dict[str, Any] | None) -> dict[str, An
     return {key: value for key, value in out.items() if value is not None}
 
 
+CHECKPOINT_STEPS = 100
+
+
+def section_checkpoint(runner: Runner) -> dict[str, Any]:
+    """What durable checkpoints cost a step: none, every 50 steps, every step (rank 0 writes in a thread)."""
+    out: dict[str, Any] = {}
+    for key, every in (("none", None), ("every_50", 50), ("every_1", 1)):
+        result = runner.task(f"checkpoint: gsync, checkpoint_every={every}", "gsync", steps=CHECKPOINT_STEPS,
+                             warmup=runner.plan.warmup, checkpoint_every=every)
+        if result is not None:
+            out[key] = result
+    return out
+
+
 ABLATION = (
     ("fresh", "plain: zero_grad(), fresh grads"),
     ("bucket_zero", "gsync-style: bucket views, zero_ + accumulate"),
@@ -451,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     if "threads" in sections:
         results["threads"] = section_threads(runner, step)
         report.print_threads(results["threads"])
+
+    if "checkpoint" in sections:
+        results["checkpoint"] = section_checkpoint(runner)
+        report.print_checkpoint(results["checkpoint"])
 
     if "ablation" in sections:
         results["ablation"] = section_ablation(runner)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .checkpointing import CheckpointSettings, resolve_resume
 from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHook
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
@@ -124,7 +125,7 @@ class Engine:
         scheduler: SchedulerFactory | None = None,
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
-        resume: Checkpoint | None = None,
+        resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
     ) -> AbstractAsyncContextManager[Session]:
         """Open a session for your own training loop: ``async with engine.session(model, ...) as session``.
@@ -163,6 +164,7 @@ class Engine:
             arguments, when entering the block, before anything is built; and
             when the engine already runs a fit or session.
         """
+        resume = _resolve_resume(resume)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         return self._exclusive(open_session(self, model, recipe, resume=resume, process_local_data=process_local_data))
 
@@ -185,7 +187,7 @@ class Engine:
         optimizer: OptimizerFactory,
         loss_fn: LossFn,
         epochs: int = 1,
-        resume: Checkpoint | None = None,
+        resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
         scheduler: SchedulerFactory | None = None,
         clip_grad_norm: float | None = None,
@@ -193,6 +195,9 @@ class Engine:
         accumulate: int = 1,
         callbacks: Sequence[Any] = (),
         progress: bool | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        keep: int = 2,
     ) -> FitResult:
         """Train ``model`` on ``data`` with one replica per device and return it trained.
 
@@ -216,13 +221,21 @@ class Engine:
         - ``progress``: a progress bar (``tqdm.auto`` when installed, else
           INFO lines on the ``gsync`` logger); by default on, except in tests
           and under CI.
+        - ``checkpoint_dir``: write a checkpoint file (``step-00000041.pt``,
+          see :meth:`Checkpoint.save`) every ``checkpoint_every`` steps and at
+          the end, keeping the newest ``keep``; only rank 0 writes, in a thread
+          of its own while training goes on (a step pays for copying the state).
+          With ``resume=checkpoint_dir`` the same command line serves the
+          first run (no checkpoint yet: start from scratch) and every restart.
 
         The model passed in is only read until training succeeds; then it
         receives the first replica's parameters and buffers. If ``fit`` fails
         or is cancelled, the model is left as it was, and the error's
         ``checkpoint`` holds the last consistent state.
 
-        ``resume`` continues from a checkpoint (an error's, or a result's):
+        ``resume`` continues from a checkpoint (an error's, a result's, a
+        file written by :meth:`Checkpoint.save`, or the newest one in a
+        directory; unreadable files there are skipped with a warning):
         replicas start from its state, ``data`` is replayed and the batches
         of its first ``checkpoint.step + 1`` steps (counted across epochs) are
         skipped, so ``data`` must yield the same batches in the same order as
@@ -251,8 +264,10 @@ class Engine:
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
         :raises ~gsync.PeerFailed: when another process's fit failed.
         """
+        resume = _resolve_resume(resume)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         _check_data(data, epochs)
+        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
         checked_callbacks = check_callbacks(callbacks)
@@ -273,6 +288,7 @@ class Engine:
                 accumulate=accumulate,
                 callbacks=checked_callbacks,
                 progress=progress,
+                checkpoints=checkpoints,
             )
         finally:
             self._running = False
@@ -282,6 +298,14 @@ def _default_devices_of_this_process() -> list[str]:
     if torch.cuda.is_available():
         return [f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"]
     return ["cpu"]
+
+
+def _resolve_resume(resume: object) -> Checkpoint | None:
+    if resume is None or isinstance(resume, (Checkpoint, str, os.PathLike)):
+        return resolve_resume(resume)  # type: ignore[arg-type]
+    raise InputTypeError(
+        f"resume must be a gsync.Checkpoint, a checkpoint file or a checkpoint directory, got {type(resume).__name__}"
+    )
 
 
 def _recipe(

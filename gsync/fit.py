@@ -15,6 +15,7 @@ import anyio
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .checkpointing import CheckpointSettings, CheckpointWriter
 from .context import Recipe
 from .errors import ConfigError, InputTypeError, StopTraining
 from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed
@@ -43,10 +44,17 @@ async def run_fit(
     accumulate: int,
     callbacks: Sequence[Any],
     progress: bool | None,
+    checkpoints: CheckpointSettings | None = None,
 ) -> FitResult:
     history: list[StepRecord] = []
     async with open_session(engine, model, recipe, resume=resume, process_local_data=process_local_data) as session:
-        loop = _FitLoop(session, callbacks, accumulate, history)
+        # One rank writes: the replicas of every rank hold the same state.
+        writer = (
+            CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, session._loop_handle())
+            if checkpoints is not None and session.rank == 0
+            else None
+        )
+        loop = _FitLoop(session, callbacks, accumulate, history, writer)
         display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress) else None
         loop.progress = display
         try:
@@ -60,10 +68,19 @@ async def run_fit(
                 await loop.call("on_fit_end", session)
             except StopTraining:
                 pass  # training has ended anyway
+            checkpoint = session.checkpoint()
+            if writer is not None:
+                await writer.write(checkpoint)
+                await writer.close()
+        except BaseException:
+            if writer is not None:
+                # The run's own error matters more than the last write's.
+                with anyio.CancelScope(shield=True):
+                    await writer.abandon()
+            raise
         finally:
             if display is not None:
                 display.close()
-        checkpoint = session.checkpoint()
         stats = session.stats
     return FitResult(
         model=model,
@@ -80,8 +97,16 @@ async def run_fit(
 class _FitLoop:
     """Groups batches into steps, reads one step ahead (so the last step is known), runs callbacks."""
 
-    def __init__(self, session: Session, callbacks: Sequence[Any], accumulate: int, history: list[StepRecord]) -> None:
+    def __init__(
+        self,
+        session: Session,
+        callbacks: Sequence[Any],
+        accumulate: int,
+        history: list[StepRecord],
+        writer: CheckpointWriter | None = None,
+    ) -> None:
         self.session = session
+        self.writer = writer
         self.callbacks = list(callbacks)
         self.accumulate = accumulate
         self.history = history
@@ -156,6 +181,8 @@ class _FitLoop:
             step, epoch, batches = held
             result = await self.session._step(batches, last=last)
             self._record(result, epoch)
+            if self.writer is not None and self.writer.due(result.step):
+                await self.writer.write(self.session.checkpoint())
             await self.call("on_step_end", self.session, result)
         closing, self._epochs_to_close = self._epochs_to_close, []
         for epoch in closing:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import gsync
+import gsync.testing
 from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd
 from test_recipes import step_lr
 
@@ -114,3 +115,58 @@ async def test_a_checkpoint_of_another_model_is_refused_before_any_work() -> Non
                 self.extra = torch.nn.Linear(2, 2)
 
         engine.session(Wider(), optimizer=sgd, loss_fn=classification_loss, resume=checkpoint)
+
+
+async def test_fit_writes_checkpoints_every_n_steps_and_keeps_the_newest(tmp_path: Path) -> None:
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+        TiedNet(), make_batches(7, 8), optimizer=sgd, loss_fn=classification_loss,
+        checkpoint_dir=tmp_path, checkpoint_every=2, keep=2,
+    )
+    assert sorted(os.listdir(tmp_path)) == ["step-00000005.pt", "step-00000006.pt"]  # steps 1, 3, 5 and the end
+    final = gsync.Checkpoint.load(tmp_path / "step-00000006.pt")
+    for name, value in result.checkpoint.model_state.items():
+        assert torch.equal(final.model_state[name], value)
+
+
+async def test_the_same_command_line_starts_fresh_and_resumes_after_a_crash(tmp_path: Path, no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(8, 16)
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    straight = await engine.fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, scheduler=step_lr)
+
+    async def run() -> gsync.FitResult:
+        return await engine.fit(
+            copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, scheduler=step_lr,
+            checkpoint_dir=tmp_path / "ckpt", checkpoint_every=3, resume=tmp_path / "ckpt",
+        )
+
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=6, site="forward")):
+        with pytest.raises(gsync.WorkerFailed):
+            await run()  # the first run: no checkpoint yet, so it starts fresh and dies at step 6
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-00000002.pt", "step-00000005.pt"]
+    resumed = await run()  # the restart: same call, resumes after step 5
+    assert resumed.first_step == 6
+    assert_same_state(resumed.model, straight.model, atol=0)
+    assert resumed.losses == straight.losses[6:]
+
+
+async def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    _, older = await _trained_checkpoint(2)
+    older.save(tmp_path / "step-00000001.pt")
+    (tmp_path / "step-00000009.pt").write_bytes(b"torn by a crash")
+    with pytest.warns(UserWarning, match="skipping an unreadable checkpoint"):
+        engine = gsync.Engine(["cpu:0", "cpu:1"])
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss, resume=tmp_path) as session:
+            assert session.next_step == 2
+
+
+async def test_bad_checkpoint_settings_are_refused(tmp_path: Path) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    args: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)
+    with pytest.raises(gsync.ConfigError, match="checkpoint_every needs checkpoint_dir"):
+        await engine.fit(TiedNet(), make_batches(1, 8), checkpoint_every=5, **args)
+    with pytest.raises(gsync.ConfigError, match="keep must be a positive"):
+        await engine.fit(TiedNet(), make_batches(1, 8), checkpoint_dir=tmp_path, keep=0, **args)
+    with pytest.raises(gsync.InputTypeError, match="resume must be"):
+        await engine.fit(TiedNet(), make_batches(1, 8), resume=3, **args)  # type: ignore[arg-type]
