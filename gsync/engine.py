@@ -110,7 +110,9 @@ class Engine:
                 "gsync does not compare replicas across processes yet: drop the option or list several devices"
             )
         self.trace = trace
-        self._site_hooks: list[SiteHook] = []
+        self.site_hooks: list[SiteHook] = []
+        """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
+        every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
         self._running = False
 
     def __repr__(self) -> str:

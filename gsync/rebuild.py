@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -10,6 +11,8 @@ from .buckets import BucketPlan
 from .context import ActorContext
 
 __all__ = ("PlanRebuild",)
+
+logger = logging.getLogger("gsync")
 
 
 class PlanRebuild:
@@ -67,4 +70,8 @@ class PlanRebuild:
         context.plan = rebuilt
         context.streams.rebuild(len(rebuilt.buckets))
         self.rebuilt = True
+        logger.info(
+            "gsync: buckets rebuilt from the first step's gradient order: %d bucket(s) of %s MiB",
+            len(rebuilt.buckets), "/".join(f"{b.nbytes / 2**20:.2f}" for b in rebuilt.buckets),
+        )
         return True

@@ -14,6 +14,7 @@ starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -43,6 +44,8 @@ from .messages import (
 from .rebuild import PlanRebuild
 
 __all__ = ("SyncServer",)
+
+logger = logging.getLogger("gsync")
 
 _FINISH = -1
 
@@ -187,6 +190,7 @@ class SyncServer:
             self._rebuild.apply()
         if agreed.skip:
             self.skipped_steps.append(step)
+            logger.warning("gsync: step %d skipped on every device: a loss was not finite (on_nonfinite='skip')", step)
         for endpoint in self._devices:
             endpoint.mailbox.post(StepSynced(step, agreed.unused, agreed.skip, agreed.loss))
 

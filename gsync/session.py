@@ -554,7 +554,7 @@ class Session:
             check_replicas_every=engine.check_replicas_every,
             fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
             trace=self.trace,
-            site_hooks=tuple(engine._site_hooks),
+            site_hooks=tuple(engine.site_hooks),
             first_bucket_bytes=first_bucket_bytes,
             bucket_cap_bytes=bucket_cap_bytes,
             streams=streams,
@@ -593,6 +593,11 @@ class Session:
             rebuild=self._rebuild,
         )
         self._open = True
+        logger.info(
+            "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
+            ", ".join(device_names), self._topology.rank, self._topology.world_size, len(plan.buckets),
+            "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
+        )
 
     # -- life: serve -----------------------------------------------------------------
 
@@ -844,6 +849,8 @@ async def open_session(
     finally:
         await session._close()
     if raised is not None:
+        if isinstance(raised, GsyncError):
+            logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
         raise raised
 
 

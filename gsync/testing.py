@@ -116,8 +116,8 @@ class _Injector:
 def inject(engine: Engine, *faults: Fault) -> Iterator[Sequence[Fault]]:
     """Arm ``faults`` for every ``fit`` of ``engine`` started inside the block."""
     injector = _Injector(faults)
-    engine._site_hooks.append(injector)
+    engine.site_hooks.append(injector)
     try:
         yield faults
     finally:
-        engine._site_hooks.remove(injector)
+        engine.site_hooks.remove(injector)
