@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -40,18 +40,14 @@ from torch import nn
 
 from ._threads import FitAborted, LoopHandle, WorkerThread
 from .actor import DeviceActor, MetricFn
-from .agreement import LocalAgreement, StepAgreement
+from .assembly import assemble, plan_buckets
 from .batches import batch_rows, shard_rows, split_batch
-from .buckets import BucketPlan
 from .buffers import BufferSync
 from .checkpoint import Checkpoint
 from .comm.base import Collective
-from .comm.local import LocalCollective
-from .comm.nccl import NcclCollective
-from .comm.process_group import ProcessGroupCollective
-from .context import ActorContext, Recipe, ReplicaFingerprints, Shard
+from .context import ActorContext, Recipe, Shard
 from .distributed import FailureReport, peer_failed
-from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from .distributed.runtime import ProcessGroupRuntime
 from .errors import (
     ConfigError,
     GsyncError,
@@ -69,7 +65,7 @@ from .rebuild import PlanRebuild
 from .replicas import build_replicas
 from .result import FitStats
 from .server import SyncServer
-from .streams import CudaStreamSync, StreamSync, make_stream_sync
+from .streams import StreamSync
 from .topology import Topology
 from .trace import Trace
 
@@ -479,7 +475,7 @@ class Session:
         timeout = self._engine.sync_timeout
         step = self._next_step - 1
         failure: GsyncError | None = None
-        with anyio.move_on_after(timeout) as deadline:
+        with anyio.move_on_after(timeout):
             try:
                 return await server.comm.run(job)
             except (GsyncError, FitAborted):
@@ -517,85 +513,31 @@ class Session:
                     self._abort,
                 )
             )
-        first_bucket_bytes = int(engine.first_bucket_mb * 2**20)
-        bucket_cap_bytes = int(engine.bucket_cap_mb * 2**20)
-        # Planned from the model itself (replicas have the same names, shapes
-        # and dtypes), so a model with nothing to train is refused first.
-        plan = BucketPlan.build(
-            [(name, p) for name, p in self.model.named_parameters() if p.requires_grad],
-            first_bucket_bytes=first_bucket_bytes,
-            bucket_cap_bytes=bucket_cap_bytes,
-        )
+        # Planned from the model itself, so a model with nothing to train is refused first.
+        plan = plan_buckets(engine, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
         replicas = build_replicas(self.model, engine.devices, self._recipe, self._resume)
         runtime = self._runtime
         if runtime is not None:
-            await self._setup.run(lambda: runtime.prepare([r.module for r in replicas]))  # type: ignore[union-attr]
-            self._topology = runtime.topology
-        self._streams = streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
-        self._collective = (
-            ProcessGroupCollective(runtime.membership.group, self._topology, self._abort)
-            if runtime is not None
-            else _local_collective(engine, streams)
-        )
-        self.trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
-        self._buffers = BufferSync([r.module for r in replicas])
-        self._server_mailbox = Mailbox("sync server", loop)
-        self._session_mailbox = Mailbox("session", loop)
-        device_names = [spec.name for spec in engine.devices]
-        self._context = context = ActorContext(
-            plan=plan,
-            recipe=self._recipe,
-            server=self._server_mailbox,
-            session=self._session_mailbox,
-            loop=loop,
-            abort=self._abort,
-            sync_timeout=engine.sync_timeout,
-            on_nonfinite=engine.on_nonfinite,
-            check_replicas_every=engine.check_replicas_every,
-            fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
-            trace=self.trace,
-            site_hooks=tuple(engine.site_hooks),
-            first_bucket_bytes=first_bucket_bytes,
-            bucket_cap_bytes=bucket_cap_bytes,
-            streams=streams,
-        )
-        self._shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
-        self._shard_sends = [send for send, _ in self._shard_streams]
-        # Worker threads start with their first job, so nothing below needs cleanup until the group runs.
-        for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
-            # Bucket buffers are allocated on the compute stream that uses them.
-            with streams.compute_stream(index):
-                self._actors.append(
-                    DeviceActor(
-                        index=index,
-                        spec=spec,
-                        replica=replica.module,
-                        optimizer=replica.optimizer,
-                        context=context,
-                        scheduler=replica.scheduler,
-                        scaler=replica.scaler,
-                    )
-                )
-        first_actor = self._actors[0]
-        self._rebuild = PlanRebuild(
-            context, lambda: first_actor.readiness.order, runtime.agree_order if runtime is not None else None
-        )
-        agreement: StepAgreement = (
-            ProcessGroupAgreement(runtime, len(plan.names), self._process_local) if runtime is not None else LocalAgreement()
-        )
-        self._server = SyncServer(
-            mailbox=self._server_mailbox,
-            context=context,
-            devices=self._actors,
-            buffers=self._buffers,
-            collective=self._collective,
-            agreement=agreement,
-            rebuild=self._rebuild,
-        )
+            setup = _built(self._setup)
+            await setup.run(lambda: runtime.prepare([r.module for r in replicas]))
+        parts = assemble(engine, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local)
+        self._topology = parts.topology
+        self._context = parts.context
+        self._streams = parts.streams
+        self._collective = parts.collective
+        self._buffers = parts.buffers
+        self._server_mailbox = parts.server_mailbox
+        self._session_mailbox = parts.session_mailbox
+        self._shard_streams = parts.shard_streams
+        self._shard_sends = [send for send, _ in parts.shard_streams]
+        self._actors = parts.actors
+        self._rebuild = parts.rebuild
+        self._server = parts.server
+        self.trace = parts.trace
         self._open = True
         logger.info(
             "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
-            ", ".join(device_names), self._topology.rank, self._topology.world_size, len(plan.buckets),
+            ", ".join(spec.name for spec in engine.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
             "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
         )
 
@@ -899,11 +841,3 @@ def _built(value: _T | None) -> _T:
     if value is None:
         raise SessionClosed("the session is not open: use it inside `async with engine.session(...)`")
     return value
-
-
-def _local_collective(engine: Engine, streams: StreamSync) -> Collective:
-    """In-process arithmetic for CPU devices; NCCL on the comm streams for CUDA devices."""
-    if isinstance(streams, CudaStreamSync):
-        return NcclCollective([spec.torch_device for spec in engine.devices], streams)
-    return LocalCollective(len(engine.devices))
-

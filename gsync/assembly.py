@@ -1,0 +1,148 @@
+"""Assembling a session: every part a session runs, built from the engine's settings and the user's recipe.
+
+Nothing here starts a thread or a task: worker threads start with their
+first job, so an assembly that is never run needs no cleanup beyond closing
+its mailboxes and streams (the session's teardown does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._threads import LoopHandle
+from .actor import DeviceActor
+from .agreement import LocalAgreement, StepAgreement
+from .buckets import BucketPlan
+from .buffers import BufferSync
+from .comm.base import Collective
+from .comm.local import LocalCollective
+from .comm.nccl import NcclCollective
+from .comm.process_group import ProcessGroupCollective
+from .context import ActorContext, Recipe, ReplicaFingerprints, Shard
+from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from .mailbox import Mailbox
+from .messages import ServerMessage, SessionMessage
+from .rebuild import PlanRebuild
+from .replicas import Replica
+from .server import SyncServer
+from .streams import CudaStreamSync, StreamSync, make_stream_sync
+from .topology import Topology
+from .trace import Trace
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ("Assembly", "assemble", "plan_buckets")
+
+
+@dataclass
+class Assembly:
+    topology: Topology
+    context: ActorContext
+    actors: list[DeviceActor]
+    server: SyncServer
+    collective: Collective
+    streams: StreamSync
+    buffers: BufferSync
+    rebuild: PlanRebuild
+    server_mailbox: Mailbox[ServerMessage]
+    session_mailbox: Mailbox[SessionMessage]
+    shard_streams: list[tuple[MemoryObjectSendStream[Shard], MemoryObjectReceiveStream[Shard]]]
+    trace: Trace | None
+
+
+def plan_buckets(engine: Engine, named_params: Sequence[tuple[str, object]]) -> BucketPlan:
+    """The first bucket plan, from the model itself (replicas have the same names, shapes and dtypes).
+
+    :raises ~gsync.ConfigError: when nothing requires grad.
+    """
+    return BucketPlan.build(
+        named_params,  # type: ignore[arg-type]
+        first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
+        bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
+    )
+
+
+def assemble(
+    engine: Engine,
+    recipe: Recipe,
+    plan: BucketPlan,
+    replicas: Sequence[Replica],
+    runtime: ProcessGroupRuntime | None,
+    abort: threading.Event,
+    loop: LoopHandle,
+    process_local_data: bool,
+) -> Assembly:
+    """Every part of a session, wired together: actors, sync server, collective, streams, mailboxes."""
+    topology = runtime.topology if runtime is not None else Topology(local_devices=len(engine.devices))
+    streams = make_stream_sync([spec.torch_device for spec in engine.devices], len(plan.buckets))
+    collective: Collective
+    if runtime is not None:
+        collective = ProcessGroupCollective(runtime.membership.group, topology, abort)
+    elif isinstance(streams, CudaStreamSync):
+        # Single-process multi-GPU: NCCL on the communication streams.
+        collective = NcclCollective([spec.torch_device for spec in engine.devices], streams)
+    else:
+        collective = LocalCollective(len(engine.devices))
+    trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
+    buffers = BufferSync([replica.module for replica in replicas])
+    server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
+    session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
+    device_names = [spec.name for spec in engine.devices]
+    context = ActorContext(
+        plan=plan,
+        recipe=recipe,
+        server=server_mailbox,
+        session=session_mailbox,
+        loop=loop,
+        abort=abort,
+        sync_timeout=engine.sync_timeout,
+        on_nonfinite=engine.on_nonfinite,
+        check_replicas_every=engine.check_replicas_every,
+        fingerprints=ReplicaFingerprints(device_names) if engine.check_replicas_every else None,
+        trace=trace,
+        site_hooks=tuple(engine.site_hooks),
+        first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
+        bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
+        streams=streams,
+    )
+    shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
+    actors = []
+    for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
+        # Bucket buffers are allocated on the compute stream that uses them.
+        with streams.compute_stream(index):
+            actors.append(
+                DeviceActor(
+                    index=index,
+                    spec=spec,
+                    replica=replica.module,
+                    optimizer=replica.optimizer,
+                    context=context,
+                    scheduler=replica.scheduler,
+                    scaler=replica.scaler,
+                )
+            )
+    first = actors[0]
+    rebuild = PlanRebuild(context, lambda: first.readiness.order, runtime.agree_order if runtime is not None else None)
+    agreement: StepAgreement = (
+        ProcessGroupAgreement(runtime, len(plan.names), process_local_data) if runtime is not None else LocalAgreement()
+    )
+    server = SyncServer(
+        mailbox=server_mailbox,
+        context=context,
+        devices=actors,
+        buffers=buffers,
+        collective=collective,
+        agreement=agreement,
+        rebuild=rebuild,
+    )
+    return Assembly(
+        topology, context, actors, server, collective, streams, buffers, rebuild,
+        server_mailbox, session_mailbox, shard_streams, trace,
+    )
