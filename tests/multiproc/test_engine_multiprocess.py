@@ -185,7 +185,9 @@ def killed_at_step_2() -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
-    results = run_ranks(killed_at_step_2, 2, timeout=80)
+    # The survivor must raise within sync_timeout + 5 s (asserted below) and exit cleanly; on a loaded machine its
+    # process exit after a dead peer can take a few seconds more than the harness's default 5 s grace.
+    results = run_ranks(killed_at_step_2, 2, timeout=80, failure_grace=20)
     survivor = results[0]
     assert results[1].returncode == -signal.SIGKILL
     assert survivor.ok, survivor.traceback or survivor.stderr
