@@ -15,6 +15,8 @@ from .errors import InputTypeError as InputTypeError
 from .errors import MailboxClosed as MailboxClosed
 from .errors import NonFiniteLoss as NonFiniteLoss
 from .errors import PeerFailed as PeerFailed
+from .errors import PeerLost as PeerLost
+from .errors import LostRank as LostRank
 from .errors import ReplicasDiverged as ReplicasDiverged
 from .errors import SessionClosed as SessionClosed
 from .errors import StopTraining as StopTraining
@@ -26,6 +28,7 @@ from .session import Session as Session
 from .session import StepResult as StepResult
 from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
+from .comm.compressed import CompressionHook as CompressionHook
 
 __all__ = (
     "Checkpoint",
@@ -43,6 +46,8 @@ __all__ = (
     "MailboxClosed",
     "NonFiniteLoss",
     "PeerFailed",
+    "PeerLost",
+    "LostRank",
     "ReplicasDiverged",
     "Session",
     "SessionClosed",
@@ -54,4 +59,5 @@ __all__ = (
     "Trace",
     "TraceEvent",
     "WorkerFailed",
+    "CompressionHook",
 )

@@ -19,8 +19,8 @@ session's abort flag; its result is discarded.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import anyio
@@ -68,6 +68,8 @@ class DeviceActor:
         self.readiness = Readiness(self.plan)
         self.site = "data"
         self.step = -1
+        self.waiting = False
+        """Waiting for the step's gradient sync (read by the heartbeat, from its thread)."""
         # Written only by the worker thread; read by the session once the thread
         # is idle, to pick the replica a checkpoint is taken from.
         self.applied_step = -1
@@ -113,20 +115,28 @@ class DeviceActor:
         return on_grad_ready
 
     def _enter(self, site: str) -> AbstractContextManager[None]:
-        """Start a site (phase): stop here if the session is ending; the returned context times it when tracing."""
+        """Start a site (phase): stop here if the session is ending; the returned context runs the site hooks
+        as it is entered, and times the phase (hooks included) when tracing."""
         context = self._context
         if context.abort.is_set():
             raise FitAborted
         self.site = site
-        if context.site_hooks:
-            for hook in context.site_hooks:
-                hook(self.index, self.step, site, context.abort)
-            # A hook may have blocked while the session ended: do not start the phase then.
-            if context.abort.is_set():
-                raise FitAborted
-        if context.trace is None:
+        if context.trace is None and not context.site_hooks:
             return nullcontext()
-        return context.trace.span(site, self.step, self.index)
+        return self._phase(site)
+
+    @contextmanager
+    def _phase(self, site: str) -> Iterator[None]:
+        context = self._context
+        # A fault a hook injects (a raise, a stall) happens inside the phase's span, as a real one would.
+        with context.trace.span(site, self.step, self.index) if context.trace is not None else nullcontext():
+            if context.site_hooks:
+                for hook in context.site_hooks:
+                    hook(self.index, self.step, site, context.abort)
+                # A hook may have blocked while the session ended: do not start the phase then.
+                if context.abort.is_set():
+                    raise FitAborted
+            yield
 
     def _adopt_plan(self) -> None:
         """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
@@ -359,7 +369,11 @@ class DeviceActor:
             self.mailbox.close()
 
     async def _await_sync(self, step: int) -> bool:
-        message = await self.mailbox.receive()
+        self.waiting = True
+        try:
+            message = await self.mailbox.receive()
+        finally:
+            self.waiting = False
         match message:
             case StepSynced(step=synced_step, skip=skip) if synced_step == step:
                 if skip:

@@ -21,6 +21,7 @@ from .agreement import LocalAgreement, StepAgreement
 from .buckets import BucketPlan
 from .buffers import BufferSync
 from .comm.base import Collective
+from .comm.compressed import CompressedCollective
 from .comm.local import LocalCollective
 from .comm.nccl import NcclCollective
 from .comm.process_group import ProcessGroupCollective
@@ -90,11 +91,17 @@ def assemble(
         collective = NcclCollective([spec.torch_device for spec in engine.devices], streams)
     else:
         collective = LocalCollective(len(engine.devices))
-    trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace else None
+    if engine.compression is not None:
+        # Every transport compresses through the same wrapper, so the arithmetic does not depend on the topology.
+        collective = CompressedCollective(collective, engine.compression)
+    device_names = [spec.name for spec in engine.devices]
+    # True or a file path: a fresh trace per session.
+    trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace is not False else None
+    if trace is not None:
+        trace.describe(topology.rank, topology.world_size, device_names)
     buffers = BufferSync([replica.module for replica in replicas])
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
-    device_names = [spec.name for spec in engine.devices]
     context = ActorContext(
         plan=plan,
         recipe=recipe,

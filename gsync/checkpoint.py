@@ -23,11 +23,13 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
+from .rng import restore_rng
 
-__all__ = ("Checkpoint",)
+__all__ = ("Checkpoint", "restore_checkpoint_rng")
 
 _FORMAT = "gsync-checkpoint"
-_VERSION = 1
+# 2: adds the random generators' state and the data position (version 1 files still load).
+_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,13 @@ class Checkpoint:
     """``state_dict()`` of the LR scheduler after ``step``, when the run has one."""
     scaler_state: dict[str, Any] | None = None
     """``state_dict()`` of the float16 ``GradScaler`` after ``step``, when the run has one."""
+    rng_state: dict[str, Any] | None = None
+    """The global random generators (torch CPU and CUDA, ``random``, NumPy) when the checkpoint was taken
+    between steps (:meth:`gsync.Session.checkpoint`, ``fit``'s checkpoint files); a resume restores them. ``None``
+    for the checkpoint of a failure, taken mid-step, when they had already moved on."""
+    data_position: tuple[int, int] | None = None
+    """``(epoch, batches)``: ``fit``'s data consumed through ``step``, as that many batches of that epoch. A
+    resumed ``fit`` checks its data lines up with it."""
 
     @property
     def next_step(self) -> int:
@@ -66,6 +75,8 @@ class Checkpoint:
             "optimizer_state": self.optimizer_state,
             "scheduler_state": self.scheduler_state,
             "scaler_state": self.scaler_state,
+            "rng_state": self.rng_state,
+            "data_position": self.data_position,
         }
         handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
         try:
@@ -115,6 +126,8 @@ class Checkpoint:
                 optimizer_state=dict(payload["optimizer_state"]),
                 scheduler_state=payload.get("scheduler_state"),
                 scaler_state=payload.get("scaler_state"),
+                rng_state=payload.get("rng_state"),
+                data_position=_position(payload.get("data_position")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{source} is a damaged gsync checkpoint: missing or bad {error}") from error
@@ -163,6 +176,26 @@ class Checkpoint:
             None if scheduler is None else _to_cpu(scheduler.state_dict()),
             None if scaler is None else _to_cpu(scaler.state_dict()),
         )
+
+
+def restore_checkpoint_rng(checkpoint: Checkpoint) -> None:
+    """Set the global random generators to ``checkpoint``'s (nothing when it has none).
+
+    :raises ~gsync.CheckpointError: when its generator state is damaged.
+    """
+    if checkpoint.rng_state is None:
+        return
+    try:
+        restore_rng(checkpoint.rng_state)
+    except ValueError as error:
+        raise CheckpointError(f"the checkpoint of step {checkpoint.step} has a damaged random generator state: {error}") from error
+
+
+def _position(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    epoch, batches = value
+    return int(epoch), int(batches)
 
 
 def _to_cpu(value: Any) -> Any:

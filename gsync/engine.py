@@ -20,6 +20,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint
 from .checkpointing import CheckpointSettings, resolve_resume
+from .comm.compressed import CompressionHook, resolve_compression
 from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHook
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
@@ -27,7 +28,7 @@ from .errors import ConfigError, InputTypeError
 from .fit import check_callbacks, run_fit
 from .result import FitResult, FitStats
 from .session import Session, open_session
-from .trace import Trace
+from .trace import Trace, trace_setting
 
 __all__ = ("Engine", "FitResult", "FitStats")
 
@@ -60,8 +61,14 @@ class Engine:
         parameters per check). Off by default; needs two or more devices in
         this process (replicas are not compared across processes).
     :param trace: record a timeline of every phase and reduction in
-        ``FitResult.trace`` (see :class:`gsync.Trace`); ``True`` for a fresh
-        trace per fit, or a ``Trace`` instance to record into.
+        ``FitResult.trace`` and ``Session.trace`` (see :class:`gsync.Trace`);
+        ``True`` for a fresh trace per fit or session, a ``Trace`` instance to
+        record into, or a file path (``"run.json"``): a fresh trace per fit or
+        session, written there as a Chrome/Perfetto trace whenever it ends,
+        failed and cancelled ones included (a failure is marked on its track,
+        and the error's message ends with ``(trace: PATH)``). Across processes
+        each rank writes its own file: ``run.rank0.json``, ``run.rank1.json``.
+        Missing directories are created.
     :param process_group: a ``torch.distributed`` group to synchronize over,
         across processes. Without one, gsync spans processes when
         ``WORLD_SIZE`` > 1 (as under ``torchrun``), joining the default group
@@ -71,6 +78,15 @@ class Engine:
         destroys only a group it created.
     :param store: the ``torch.distributed`` store for failure reports between
         processes, when ``process_group`` is not the default group's.
+    :param compression: reduce gradient buckets compressed: ``"bf16"`` or
+        ``"fp16"`` (half the bytes of fp32; each device's gradient is
+        multiplied by its share of the batch in fp32, cast, the casts summed
+        in that dtype, and the sum cast back into the fp32 gradients, so fp16
+        cannot overflow where the mean does not), or a
+        :class:`gsync.CompressionHook` of your own (compress, reduce,
+        decompress). Every replica applies the same decompressed gradient,
+        and two devices of one process give the same parameters as one
+        device in each of two processes. ``None`` (default): the bucket's own dtype.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -83,9 +99,10 @@ class Engine:
         sync_timeout: float = 300.0,
         on_nonfinite: Literal["raise", "skip"] = "raise",
         check_replicas_every: int | None = None,
-        trace: bool | Trace = False,
+        trace: bool | Trace | str | os.PathLike[str] = False,
         process_group: dist.ProcessGroup | None = None,
         store: dist.Store | None = None,
+        compression: Literal["bf16", "fp16"] | CompressionHook | None = None,
     ) -> None:
         self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
@@ -93,6 +110,8 @@ class Engine:
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite: Literal["raise", "skip"] = on_nonfinite
+        self.compression: CompressionHook | None = resolve_compression(compression)
+        """The hook every bucket is reduced through (``"bf16"`` becomes ``LowPrecision(torch.bfloat16)``), or ``None``."""
         if check_replicas_every is not None and (
             isinstance(check_replicas_every, bool) or not isinstance(check_replicas_every, int) or check_replicas_every < 1
         ):
@@ -109,6 +128,8 @@ class Engine:
                 "check_replicas_every compares the replicas of this process, and it has only one device; "
                 "gsync does not compare replicas across processes yet: drop the option or list several devices"
             )
+        self.trace_file = trace_setting(trace)
+        """The file each fit or session writes its trace to (absolute; see ``trace``), or ``None``."""
         self.trace = trace
         self.site_hooks: list[SiteHook] = []
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in

@@ -6,8 +6,9 @@ raised from ``fit`` keep the original exception as ``__cause__``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = (
@@ -22,6 +23,8 @@ __all__ = (
     "NonFiniteLoss",
     "ReplicasDiverged",
     "PeerFailed",
+    "PeerLost",
+    "LostRank",
     "DataFailed",
     "SessionClosed",
     "StopTraining",
@@ -214,6 +217,67 @@ class PeerFailed(FitError):
         self.site = site
         self.error_type = error_type
         self.remote_message = remote_message
+
+
+@dataclass(frozen=True)
+class LostRank:
+    """Where a rank that stopped or got stuck was, from its last heartbeat."""
+
+    rank: int
+    step: int
+    phase: str
+    """What it was doing: a device phase (``forward``, ``backward``...), ``gradient sync``, or its own code
+    between operations (``outside gsync``)."""
+    device: str
+    """The device furthest behind on that rank, when one is."""
+    silent_for: float | None
+    """Seconds without a heartbeat; ``None`` for a rank that still beats (alive but stuck)."""
+    held_for: float
+    """Seconds it had been at ``step``/``phase`` by its last heartbeat."""
+    heard: str = ""
+    """What its last heartbeat said, when that was before ``step`` (beats are twice a second, steps can be
+    faster; ``phase`` and ``device`` are then unknown and empty)."""
+
+    def __str__(self) -> str:
+        where = f"step {self.step} ({self.phase}{' on ' + self.device if self.device else ''})"
+        if self.heard:
+            where = f"step {self.step} (last heard at {self.heard})"
+        elif self.phase == "outside gsync":
+            after = f"after step {self.step}" if self.step >= 0 else "before its first step"
+            where = f"its own code {after} (the training loop or its data)"
+        elif self.step < 0:
+            where = f"start-up ({self.phase})"
+        if self.silent_for is not None:
+            return (
+                f"rank {self.rank} stopped responding at {where}: no heartbeat for {self.silent_for:.1f} s; "
+                "it was killed, crashed or is hung"
+            )
+        return (
+            f"rank {self.rank} is alive but stuck at {where} for {self.held_for:.1f} s, while this rank waited "
+            "for it in a collective"
+        )
+
+
+class PeerLost(PeerFailed):
+    """Other ranks stopped responding, or are stuck outside any collective, while this rank waited for them.
+
+    Named from the ranks' heartbeats (see :class:`LostRank`): ``lost`` lists
+    every rank named; ``rank``, ``step``, ``site`` (the phase) and ``device``
+    are the first one's, as in :class:`PeerFailed`. The collective error that
+    revealed it is ``__cause__``.
+    """
+
+    def __init__(self, lost: Sequence[LostRank]) -> None:
+        self.lost = tuple(lost)
+        first = self.lost[0]
+        FitError.__init__(self, "; ".join(str(rank) for rank in self.lost))
+        self.rank = first.rank
+        self.device = first.device
+        self.device_index = -1
+        self.step = first.step
+        self.site = first.phase
+        self.error_type = "stopped responding" if first.silent_for is not None else "stuck"
+        self.remote_message = ""
 
 
 class DataFailed(FitError):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import AsyncIterable, Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from torch import nn
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, restore_checkpoint_rng
 from .checkpointing import CheckpointSettings, CheckpointWriter
 from .context import Recipe
 from .errors import ConfigError, InputTypeError, StopTraining
@@ -47,14 +48,17 @@ async def run_fit(
     checkpoints: CheckpointSettings | None = None,
 ) -> FitResult:
     history: list[StepRecord] = []
-    async with open_session(engine, model, recipe, resume=resume, process_local_data=process_local_data) as session:
+    # The generators are restored once the data is replayed up to the checkpoint (see _FitLoop).
+    async with open_session(
+        engine, model, recipe, resume=resume, process_local_data=process_local_data, restore_rng=False
+    ) as session:
         # One rank writes: the replicas of every rank hold the same state.
         writer = (
             CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, session._loop_handle())
             if checkpoints is not None and session.rank == 0
             else None
         )
-        loop = _FitLoop(session, callbacks, accumulate, history, writer)
+        loop = _FitLoop(session, callbacks, accumulate, history, writer, resume)
         display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress) else None
         loop.progress = display
         try:
@@ -68,7 +72,7 @@ async def run_fit(
                 await loop.call("on_fit_end", session)
             except StopTraining:
                 pass  # training has ended anyway
-            checkpoint = session.checkpoint()
+            checkpoint = replace(session.checkpoint(), data_position=loop.position)
             if writer is not None:
                 await writer.write(checkpoint)
                 await writer.close()
@@ -104,14 +108,18 @@ class _FitLoop:
         accumulate: int,
         history: list[StepRecord],
         writer: CheckpointWriter | None = None,
+        resume: Checkpoint | None = None,
     ) -> None:
         self.session = session
+        self.resume = resume
+        self.position: tuple[int, int] | None = None
+        """``(epoch, batches)`` of data consumed through the last step run (or replayed)."""
         self.writer = writer
         self.callbacks = list(callbacks)
         self.accumulate = accumulate
         self.history = history
         self.progress: Progress | None = None
-        self._held: tuple[int, int, list[Any]] | None = None
+        self._held: tuple[int, int, list[Any], tuple[int, int]] | None = None
         self._epochs_to_close: list[int] = []
 
     async def call(self, hook: str, *args: Any) -> None:
@@ -146,19 +154,25 @@ class _FitLoop:
         first_step = self.session.first_step
         group: list[Any] = []
         index = 0
+        in_epoch = 0
         async for item in items:
             match item:
                 case BatchRead(epoch=epoch, batch=batch):
                     group.append(batch)
+                    in_epoch += 1
                     if len(group) < self.accumulate:
                         continue
                     batches, group = group, []
                     step, index = index, index + 1
                     if step < first_step:
+                        self.position = (epoch, in_epoch)
                         continue  # resuming: the checkpoint already includes this step
+                    if step == first_step:
+                        self._check_position()
                     await self._run_held(last=False)
-                    self._held = (step, epoch, batches)
+                    self._held = (step, epoch, batches, (epoch, in_epoch))
                 case EpochEnded(epoch=epoch):
+                    in_epoch = 0
                     if group:
                         warnings.warn(
                             f"epoch {epoch} ended with {len(group)} batch(es) that do not fill a step of "
@@ -178,15 +192,33 @@ class _FitLoop:
     async def _run_held(self, last: bool) -> None:
         held, self._held = self._held, None
         if held is not None:
-            step, epoch, batches = held
+            step, epoch, batches, position = held
+            if step == self.session.first_step and self.resume is not None:
+                # The data before the checkpoint is replayed; from here on the
+                # run draws random numbers as the one it continues did.
+                restore_checkpoint_rng(self.resume)
             result = await self.session._step(batches, last=last)
+            self.position = position
             self._record(result, epoch)
             if self.writer is not None and self.writer.due(result.step):
-                await self.writer.write(self.session.checkpoint())
+                await self.writer.write(replace(self.session.checkpoint(), data_position=position))
             await self.call("on_step_end", self.session, result)
         closing, self._epochs_to_close = self._epochs_to_close, []
         for epoch in closing:
             await self.call("on_epoch_end", self.session, epoch)
+
+    def _check_position(self) -> None:
+        """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""
+        resume = self.resume
+        if resume is None or resume.data_position is None or self.position == resume.data_position:
+            return
+        saved_epoch, saved_batches = resume.data_position
+        replayed = "no batch" if self.position is None else f"{self.position[1]} batch(es) of epoch {self.position[0]}"
+        raise ConfigError(
+            f"the data does not line up with the checkpoint: through step {resume.step} it had consumed "
+            f"{saved_batches} batch(es) of epoch {saved_epoch}, but replaying the data given now consumes {replayed}; "
+            "resume with the same data (same batches per epoch) and the same accumulate"
+        )
 
     def _record(self, result: StepResult, epoch: int) -> None:
         self.history.append(

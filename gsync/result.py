@@ -25,7 +25,8 @@ class FitStats:
     rebuilt_buckets: bool = False
     """Whether the plan was rebuilt from the gradient order observed in the first step."""
     reduced_bytes: int = 0
-    """Bytes of gradient buckets all-reduced, per device (accumulating steps reduce once per step)."""
+    """Bytes of gradient buckets all-reduced, per device (accumulating steps reduce once per step); with
+    ``Engine(compression=...)``, the compressed payload's bytes, as they cross the process group."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,6 @@ class FitResult:
     """The final state, to continue training later with ``fit(..., resume=checkpoint)``."""
     stats: FitStats = field(default_factory=FitStats)
     trace: Trace | None = None
-    """The timeline of the fit, when the engine was built with ``trace=True``."""
+    """The timeline of the fit, when the engine was built with ``trace=True`` (or a ``Trace``, or a file path)."""
     history: list[StepRecord] = field(default_factory=list)
     """One record per step this fit ran: step, epoch, loss, lr, rows, seconds."""

@@ -27,6 +27,7 @@ from ._threads import FitAborted, Outcome, WorkerThread
 from .agreement import AgreedStep, StepAgreement, StepFacts
 from .buffers import BufferSync
 from .comm.base import Collective
+from .comm.compressed import CompressedCollective
 from .context import ActorContext, DeviceEndpoint
 from .errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
@@ -74,7 +75,8 @@ class SyncServer:
         self.steps_synced = 0
         self.skipped_steps: list[int] = []
         self.reduced_bytes = 0
-        """Bytes of bucket buffers all-reduced, per device (written by the communication thread)."""
+        """Bytes all-reduced per device, as they cross the transport (compressed, with a compression hook);
+        written by the communication thread."""
         self.failure: GsyncError | None = None
         """The first gsync error a communication job raised (e.g. the agreement's ConfigError)."""
         self._context = context
@@ -224,7 +226,8 @@ class SyncServer:
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
         flats = [device.bucket_buffer(bucket) for device in self._devices]
-        self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights))
+        nbytes = flats[0].numel() * flats[0].element_size()
+        self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         if self._abort.is_set():
@@ -235,19 +238,23 @@ class SyncServer:
         streams = self._context.streams
         streams.before_reduce(bucket)
         with streams.comm_streams():
-            self._collective.all_reduce(flats, weights)
+            if isinstance(self._collective, CompressedCollective):
+                nbytes = self._collective.reduce_bucket(bucket, flats, weights)
+            else:
+                self._collective.all_reduce(flats, weights)
+                nbytes = flats[0].numel() * flats[0].element_size()
         streams.after_reduce(bucket)
-        self.reduced_bytes += flats[0].numel() * flats[0].element_size()
+        self.reduced_bytes += nbytes
     def _broadcast_buffers(self, step: int) -> None:
         streams = self._context.streams
         with streams.comm_streams():
             self._buffers.broadcast(self._collective, step)
         streams.after_broadcast()
 
-    def _submit(self, step: int, bucket: int, job: Callable[[], None]) -> None:
+    def _submit(self, step: int, bucket: int, job: Callable[[], None], nbytes: int = 0) -> None:
         if self._trace is not None:
             name = "finish_step" if bucket == _FINISH else "all_reduce"
-            job = partial(self._traced, self._trace.span(name, step, bucket=bucket), job)
+            job = partial(self._traced, self._trace.span(name, step, bucket=bucket, nbytes=nbytes), job)
         self.comm.submit(job, partial(self._on_comm_done, step, bucket))
 
     @staticmethod

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
@@ -43,17 +43,20 @@ from .actor import DeviceActor, MetricFn
 from .assembly import assemble, plan_buckets
 from .batches import batch_rows, shard_rows, split_batch
 from .buffers import BufferSync
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, restore_checkpoint_rng
 from .comm.base import Collective
 from .context import ActorContext, Recipe, Shard
 from .distributed import FailureReport, peer_failed
+from .distributed.heartbeat import Whereabouts, locate
 from .distributed.runtime import ProcessGroupRuntime
 from .errors import (
     ConfigError,
     GsyncError,
     InputTypeError,
+    LostRank,
     MailboxClosed,
     PeerFailed,
+    PeerLost,
     SessionClosed,
     SyncFailed,
     SyncTimeout,
@@ -63,11 +66,12 @@ from .messages import Close, ServerMessage, SessionMessage, StepApplied, StepDis
 from .outcome import first_failure, flatten, is_cancellation
 from .rebuild import PlanRebuild
 from .replicas import build_replicas
+from .rng import capture_rng
 from .result import FitStats
 from .server import SyncServer
 from .streams import StreamSync
 from .topology import Topology
-from .trace import Trace
+from .trace import Trace, finish_trace
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -115,13 +119,20 @@ class Session:
     """
 
     def __init__(
-        self, engine: Engine, model: nn.Module, recipe: Recipe, resume: Checkpoint | None, process_local_data: bool
+        self,
+        engine: Engine,
+        model: nn.Module,
+        recipe: Recipe,
+        resume: Checkpoint | None,
+        process_local_data: bool,
+        restore_rng: bool = True,
     ) -> None:
         self._engine = engine
         self.model = model
         """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
         self._recipe = recipe
         self._resume = resume
+        self._restore_rng = restore_rng
         self._process_local = bool(process_local_data)
         self.first_step = 0 if resume is None else resume.next_step
         """The global index of this session's first step (> 0 when resuming)."""
@@ -139,6 +150,7 @@ class Session:
         self._reported: BaseException | None = None
         self._peer_left: FailureReport | None = None
         self._torn_down = False
+        self._collective_what: str | None = None
         # Built by _start; teardown copes with any prefix of them.
         self._loop: LoopHandle | None = None
         self._setup: WorkerThread | None = None
@@ -317,15 +329,21 @@ class Session:
         return reduced if is_tensor else float(reduced)
 
     def checkpoint(self) -> Checkpoint:
-        """The current consistent state (model, optimizer, scheduler, scaler) as of the last step, copied to the CPU.
+        """The current consistent state as of the last step, copied to the CPU.
+
+        Model, optimizer, scheduler and scaler state, and the global random
+        generators as they are now (a session opened with ``resume=`` this
+        checkpoint restores them, so dropout continues as it would have).
 
         :raises ~gsync.ConfigError: while a step runs, or after the session ended.
         """
         self._check_usable("checkpoint")
         actor = self._actors[0]
-        return Checkpoint.capture(
+        checkpoint = Checkpoint.capture(
             self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
         )
+        # Between steps, the generators are where the next step starts from.
+        return replace(checkpoint, rng_state=capture_rng())
 
     # -- the step ----------------------------------------------------------------
 
@@ -475,6 +493,7 @@ class Session:
         timeout = self._engine.sync_timeout
         step = self._next_step - 1
         failure: GsyncError | None = None
+        self._collective_what = what
         with anyio.move_on_after(timeout):
             try:
                 return await server.comm.run(job)
@@ -483,6 +502,8 @@ class Session:
             except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
                 failure = SyncFailed(step, None, f"{what} failed")
                 failure.__cause__ = error
+            finally:
+                self._collective_what = None
         if failure is None:
             self._abort.set()  # the collective's thread leaves its wait
             failure = SyncTimeout(step, timeout, site=what)
@@ -534,6 +555,9 @@ class Session:
         self._rebuild = parts.rebuild
         self._server = parts.server
         self.trace = parts.trace
+        resume = self._resume
+        if resume is not None and resume.rng_state is not None and self._restore_rng:
+            restore_checkpoint_rng(resume)
         self._open = True
         logger.info(
             "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
@@ -590,20 +614,33 @@ class Session:
         """
         runtime, setup, loop = _built(self._runtime), _built(self._setup), self._loop_handle()
         arrived = anyio.Event()
-        reports: list[FailureReport] = []
+        reports: list[FailureReport | list[LostRank]] = []
 
-        def deliver(report: FailureReport) -> None:
+        def deliver(report: FailureReport | list[LostRank]) -> None:
             reports.append(report)
             arrived.set()
 
+        runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
         # Starting the watcher opens a store connection: not on the event loop.
         await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
         await arrived.wait()
         report = reports[0]
+        if isinstance(report, list):
+            raise PeerLost(report)
         if report.error_type == _DEPARTED and not (self._stepping and self._operations_done >= report.operations):
             self._peer_left = report
             return
         raise peer_failed(report)
+
+    def _whereabouts(self) -> Whereabouts:
+        """Where this rank is, for its heartbeat (called from the heartbeat thread)."""
+        last = self._next_step - 1
+        what = self._collective_what
+        if what is not None:
+            return Whereabouts(last, what, waiting=True)
+        if not self._stepping:
+            return Whereabouts(last, "outside gsync")
+        return locate(self._actors, last)
 
     def _stop_serving(self) -> None:
         """End the data: actors finish what they hold, the server closes them, serving returns."""
@@ -658,12 +695,14 @@ class Session:
         failure = first_failure(errors, late)
         runtime = self._runtime
         if runtime is not None and isinstance(failure, GsyncError):
-            # Publish this rank's failure before looking for a peer's, so two
-            # ranks whose collective failed do not each wait for the other.
-            await self._report(failure)
+            # Blame before reporting: a stuck peer that heard this rank's report
+            # would leave its session, and its heartbeat would no longer say
+            # where it was stuck. The blame waits a bounded time (heartbeats),
+            # so two ranks whose collective failed never wait on each other.
             if isinstance(failure, (SyncFailed, SyncTimeout)):
                 collective_failure = failure
                 failure = await self._in_setup(lambda: runtime.blame_peer(collective_failure), failure)
+            await self._report(failure)
         if isinstance(failure, GsyncError):
             self._attach_checkpoint(failure)
         return failure
@@ -671,7 +710,7 @@ class Session:
     async def _report(self, failure: BaseException) -> None:
         """Tell the other ranks why this rank's session is ending, unless it was because of them."""
         runtime = self._runtime
-        if runtime is None or failure is self._reported or isinstance(failure, PeerFailed):
+        if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
             return
         self._reported = failure
         await self._in_setup(lambda: runtime.report(failure), None)
@@ -754,10 +793,20 @@ class Session:
 
 @asynccontextmanager
 async def open_session(
-    engine: Engine, model: nn.Module, recipe: Recipe, *, resume: Checkpoint | None, process_local_data: bool
+    engine: Engine,
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    resume: Checkpoint | None,
+    process_local_data: bool,
+    restore_rng: bool = True,
 ) -> AsyncIterator[Session]:
-    """The life of one session around the user's block; see :meth:`gsync.Engine.session`."""
-    session = Session(engine, model, recipe, resume, process_local_data)
+    """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
+
+    ``restore_rng=False`` leaves the random generators to the caller (``fit``
+    restores them once it has replayed its data up to the checkpoint).
+    """
+    session = Session(engine, model, recipe, resume, process_local_data, restore_rng)
     raised: BaseException | None = None
     try:
         try:
@@ -790,6 +839,8 @@ async def open_session(
             await session._report(session._failure if isinstance(raised, SessionClosed) and session._failure else raised)
     finally:
         await session._close()
+        # Marks how the session ended, writes Engine(trace=path)'s file, ends `raised`'s message with its path.
+        await finish_trace(session.trace, engine.trace_file, raised, session._failure)
     if raised is not None:
         if isinstance(raised, GsyncError):
             logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)

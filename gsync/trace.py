@@ -1,36 +1,84 @@
-"""A timeline of one ``fit``: every device's phases and every bucket's reduction.
+"""A timeline of one session or ``fit``: every device's phases, every bucket's reduction, and how the run ended.
 
 Enabled with ``Engine(trace=True)`` (or ``trace=`` a :class:`Trace` of your
 own, e.g. a subclass whose :meth:`Trace.record` forwards events live); the
 result's ``trace`` then holds one event per phase. Events are msgspec structs, so they encode to msgpack or
 JSON as they are; :meth:`Trace.to_chrome` writes the Chrome / Perfetto trace
 format (open it at ui.perfetto.dev or chrome://tracing).
+
+``Engine(trace="run.json")`` also writes that file when each session (and so
+each ``fit``) ends, however it ends: after a failure or a cancellation the
+file has the failure marked on the track where it happened, and the error's
+message ends with the file's path. Across processes (``world_size`` > 1) each
+rank writes its own file, named with its rank: ``run.rank0.json``,
+``run.rank1.json``, ...
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
+import anyio
 import msgspec
 
+from ._threads import LoopHandle, WorkerThread
+from .errors import (
+    ConfigError,
+    FitError,
+    GsyncError,
+    PeerFailed,
+    SessionClosed,
+    SyncFailed,
+    SyncTimeout,
+)
+from .outcome import is_cancellation
+
 __all__ = ("Trace", "TraceEvent")
+
+logger = logging.getLogger("gsync")
+
+# The kinds of events the communication thread records; device phases are all other span names.
+_COMM_SPANS = frozenset({"all_reduce", "finish_step"})
+# The spans that belong to an optimizer step (not ``evaluate``, whose step is the last one trained).
+_STEP_SPANS = frozenset({"data", "forward", "backward", "optimizer", "all_reduce", "finish_step"})
+# Marks: instants recorded when a session ends other than normally.
+_MARKS = frozenset({"failed", "cancelled"})
+# Device index of the communication thread's events; of marks on the steps track.
+_COMM = -1
+_STEPS = -2
+# Chrome thread ids are unique across ranks (rank r's tracks are 1000 * (r + 1) + slot), so the
+# files of several ranks can be merged into one timeline without their tracks colliding.
+_TIDS_PER_RANK = 1000
+# How long the write of a trace file may take before teardown stops waiting for it.
+_WRITE_TIMEOUT_S = 60.0
 
 
 class TraceEvent(msgspec.Struct, frozen=True, gc=False):
     name: str
-    """``data``, ``forward``, ``backward``, ``optimizer`` (per device), or ``all_reduce`` and ``finish_step``
-    (buffer broadcast and cross-process agreement) on the communication thread."""
+    """``data``, ``forward``, ``backward``, ``optimizer``, ``evaluate`` (per device), ``all_reduce`` and
+    ``finish_step`` (buffer broadcast and cross-process agreement) on the communication thread, or a mark:
+    ``failed`` or ``cancelled`` (an instant: ``start_us == end_us``)."""
     step: int
     device: int
-    """Device index, or -1 for the communication thread."""
+    """Device index, -1 for the communication thread, or -2 for a mark that belongs to no device or thread
+    (a failure of another rank, of the data, of your own code; a cancellation)."""
     bucket: int
     """Bucket index for ``all_reduce``, else -1."""
     start_us: float
     end_us: float
+    """Microseconds since the trace started (``time.perf_counter``)."""
+    nbytes: int = 0
+    """Bytes of the bucket reduced (per device) for ``all_reduce``, else 0."""
+    error: str = ""
+    """For a mark: the error's type name (``"WorkerFailed"``), or ``"cancelled"``."""
+    message: str = ""
+    """For a mark: the error's message."""
 
 
 class Trace:
@@ -39,17 +87,29 @@ class Trace:
     def __init__(self) -> None:
         self.events: list[TraceEvent] = []
         self._origin = time.perf_counter()
+        self._origin_monotonic = time.monotonic()
+        self._origin_unix = time.time()
+        self.rank = 0
+        """This process's rank; set, with ``world_size`` and ``devices``, when a session starts."""
+        self.world_size = 1
+        self.devices: tuple[str, ...] = ()
+        """This process's device names, by device index."""
+        self.outcome: str | None = None
+        """How the last session ended: ``"ok"``, ``"failed"`` or ``"cancelled"`` (``None`` while it runs)."""
+        self._ended_with = ""
+        self.path: Path | None = None
+        """The file gsync last wrote this trace to (with ``Engine(trace=path)``), else ``None``."""
 
     def now_us(self) -> float:
         return (time.perf_counter() - self._origin) * 1e6
 
     @contextmanager
-    def span(self, name: str, step: int, device: int = -1, bucket: int = -1) -> Iterator[None]:
+    def span(self, name: str, step: int, device: int = _COMM, bucket: int = -1, nbytes: int = 0) -> Iterator[None]:
         start = self.now_us()
         try:
             yield
         finally:
-            self.record(TraceEvent(name, step, device, bucket, start, self.now_us()))
+            self.record(TraceEvent(name, step, device, bucket, start, self.now_us(), nbytes))
 
     def record(self, event: TraceEvent) -> None:
         """Store one finished event; called from whichever thread ran the phase."""
@@ -58,28 +118,252 @@ class Trace:
     def select(self, name: str, step: int | None = None) -> list[TraceEvent]:
         return [e for e in self.events if e.name == name and (step is None or e.step == step)]
 
+    def describe(self, rank: int, world_size: int, devices: Sequence[str]) -> None:
+        """Say which process the events come from (gsync calls this when a session starts)."""
+        self.rank, self.world_size, self.devices = rank, world_size, tuple(devices)
+
     def to_chrome(self) -> dict[str, object]:
-        """The trace as a Chrome trace-event document (one row per device, one for communication)."""
-        rows = {-1: "communication"}
-        events: list[dict[str, object]] = []
-        for event in self.events:
-            rows.setdefault(event.device, f"device {event.device}")
-            label = f"{event.name} b{event.bucket}" if event.bucket >= 0 else event.name
-            events.append(
-                {
-                    "name": label,
-                    "ph": "X",
-                    "pid": 0,
-                    "tid": event.device,
-                    "ts": event.start_us,
-                    "dur": event.end_us - event.start_us,
-                    "args": {"step": event.step, "bucket": event.bucket},
-                }
+        """The trace as a Chrome trace-event document (JSON object format).
+
+        One process per rank, named with the rank and its devices; in it one
+        track (thread) per device, one for the sync server's communication
+        thread, and one of steps (a span per optimizer step, from its first
+        phase anywhere to its last); failures and cancellations are instant
+        marks on the track where they happened. Timestamps are microseconds
+        since the trace started.
+        """
+        events = list(self.events)
+        pid = self.rank + 1  # pid 0 is the idle process to some viewers
+        device_count = max([len(self.devices)] + [e.device + 1 for e in events])
+        base = pid * _TIDS_PER_RANK
+        tracks: dict[int, tuple[int, str]] = {_STEPS: (base, "steps")}
+        for index in range(device_count):
+            named = f" ({self.devices[index]})" if index < len(self.devices) else ""
+            tracks[index] = (base + 1 + index, f"device {index}{named}")
+        tracks[_COMM] = (base + 1 + device_count, "sync server / communication")
+
+        devices = ", ".join(self.devices) or f"{device_count} device(s)"
+        process = f"gsync rank {self.rank} of {self.world_size}: {devices}"
+        chrome: list[dict[str, object]] = [
+            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}},
+            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": self.rank}},
+        ]
+        for tid, label in tracks.values():
+            chrome.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": label}})
+            chrome.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid - base}}
             )
-        for tid, label in rows.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": label}})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+        timed: list[dict[str, object]] = []
+        for event in events:
+            tid = tracks[event.device if event.device in tracks else _STEPS][0]
+            args: dict[str, object] = {"step": event.step}
+            if event.name in _MARKS:
+                args.update(error=event.error, message=event.message)
+                timed.append(
+                    {"name": f"{event.name}: {event.error}" if event.name == "failed" else event.name, "cat": "failure",
+                     "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": _us(event.start_us), "args": args}
+                )
+                continue
+            label = event.name
+            if event.bucket >= 0:
+                label = f"{event.name} b{event.bucket}"
+                args["bucket"] = event.bucket
+            if event.name == "all_reduce":
+                args["bytes"] = event.nbytes
+            timed.append(
+                {"name": label, "cat": "communication" if event.device == _COMM else "device", "ph": "X", "pid": pid,
+                 "tid": tid, "ts": _us(event.start_us), "dur": _us(event.end_us - event.start_us), "args": args}
+            )
+        for step, start, end in _step_bounds(events):
+            timed.append(
+                {"name": f"step {step}", "cat": "step", "ph": "X", "pid": pid, "tid": tracks[_STEPS][0],
+                 "ts": _us(start), "dur": _us(end - start), "args": {"step": step}}
+            )
+        timed.sort(key=lambda e: e["ts"])  # type: ignore[arg-type,return-value]
+        return {
+            "traceEvents": chrome + timed,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "devices": list(self.devices),
+                "outcome": self.outcome or "running",
+                "error": self._ended_with,
+                "started_unix_s": self._origin_unix,
+            },
+        }
 
     def save_chrome(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w") as handle:
+        """Write :meth:`to_chrome` to ``path`` (atomically: a reader never sees half a file)."""
+        target = Path(path)
+        partial = target.with_name(target.name + ".partial")
+        with open(partial, "w") as handle:
             json.dump(self.to_chrome(), handle)
+        os.replace(partial, target)
+
+    def _mark_end(self, error: BaseException | None) -> None:
+        """Record how the session ended: nothing more for a clean end, else one mark per failure (or cancellation)."""
+        self._ended_with = ""
+        if error is None:
+            self.outcome = "ok"
+            return
+        if is_cancellation(error):
+            self.outcome = "cancelled"
+            now = self.now_us()
+            self.record(
+                TraceEvent("cancelled", _last_step(self.events), _STEPS, -1, now, now, error="cancelled",
+                           message="the session was cancelled by its caller")
+            )
+            return
+        self.outcome = "failed"
+        self._ended_with = f"{type(error).__name__}: {error}"
+        failures = [error, *getattr(error, "others", ())]
+        if isinstance(error, SessionClosed) and isinstance(error.__cause__, GsyncError):
+            failures.append(error.__cause__)  # the failure that closed the session
+        now = self.now_us()
+        for failure in failures:
+            at = now
+            if isinstance(failure, FitError):
+                at = min(max((failure.at - self._origin_monotonic) * 1e6, 0.0), now)
+            step = getattr(failure, "step", None)
+            self.record(
+                TraceEvent(
+                    "failed",
+                    step if isinstance(step, int) else _last_step(self.events),
+                    self._track_of(failure),
+                    -1,
+                    at,
+                    at,
+                    error=type(failure).__name__,
+                    message=str(failure),
+                )
+            )
+
+    def _track_of(self, failure: BaseException) -> int:
+        """The track a failure happened on: its device's, the communication thread's, or the steps track."""
+        if isinstance(failure, PeerFailed):
+            return _STEPS  # its device index is the other rank's
+        index = getattr(failure, "device_index", None)
+        if isinstance(index, int) and index >= 0:
+            return index
+        if isinstance(failure, SyncTimeout) and failure.site == "optimizer step" and len(failure.stalled_devices) == 1:
+            # Raised by the device whose optimizer step stalled.
+            name = failure.stalled_devices[0]
+            return self.devices.index(name) if name in self.devices else _STEPS
+        if isinstance(failure, (SyncFailed, SyncTimeout)):
+            return _COMM
+        return _STEPS
+
+
+def _us(value: float) -> float:
+    return round(value, 3)
+
+
+def _last_step(events: Sequence[TraceEvent]) -> int:
+    return max((e.step for e in events if e.name in _STEP_SPANS), default=-1)
+
+
+def _step_bounds(events: Sequence[TraceEvent]) -> list[tuple[int, float, float]]:
+    """(step, start, end) per optimizer step, from its first phase to its last, never overlapping the next step."""
+    bounds: dict[int, tuple[float, float]] = {}
+    for event in events:
+        if event.name in _STEP_SPANS:
+            start, end = bounds.get(event.step, (event.start_us, event.end_us))
+            bounds[event.step] = (min(start, event.start_us), max(end, event.end_us))
+    ordered = sorted(bounds.items())
+    spans = []
+    for position, (step, (start, end)) in enumerate(ordered):
+        if position + 1 < len(ordered):
+            end = min(end, ordered[position + 1][1][0])
+        spans.append((step, start, max(end, start)))
+    return spans
+
+
+# -- the engine's trace= setting and the file a session writes ----------------------------------
+
+
+def trace_setting(value: object) -> Path | None:
+    """Check ``Engine(trace=...)``; the file to write (absolute), when it is a path.
+
+    :raises ~gsync.ConfigError: for anything but a bool, a :class:`Trace` or a file path.
+    """
+    if isinstance(value, (bool, Trace)):
+        return None
+    if isinstance(value, (str, os.PathLike)):
+        raw = os.fspath(value)
+        if not isinstance(raw, str) or not raw.strip():
+            raise ConfigError(f"trace must be a file path such as 'run.json', got {value!r}")
+        path = Path(raw).absolute()
+        if raw.endswith(("/", os.sep)) or path.is_dir():
+            raise ConfigError(
+                f"trace={raw!r} is a directory; give a file in it, e.g. trace={os.path.join(raw, 'run.json')!r}"
+            )
+        return path
+    raise ConfigError(
+        "trace must be True (record a timeline in memory), False, a gsync.Trace to record into, or a file path "
+        f"such as 'run.json' to write a Chrome/Perfetto trace to; got {type(value).__name__} {value!r}"
+    )
+
+
+def rank_file(path: Path, rank: int, world_size: int) -> Path:
+    """The file this rank writes: ``path`` itself in one process, ``run.rank1.json`` for ``run.json`` across several."""
+    if world_size <= 1:
+        return path
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
+
+
+async def finish_trace(
+    trace: Trace | None, path: Path | None, raised: BaseException | None, failure: BaseException | None
+) -> None:
+    """At the end of a session: mark how it ended in ``trace`` and, given a ``path``, write the file.
+
+    ``raised`` is what the session raises (``None`` when it ends normally);
+    ``failure`` the failure that closed it, if a caller caught that and left
+    normally. The file is written in a thread of its own, shielded from
+    cancellation; a gsync error ``raised`` then ends its message with
+    ``(trace: PATH)``, another exception gets a note. A write that fails is
+    logged as a warning and never replaces ``raised``.
+    """
+    if trace is None:
+        return
+    trace._mark_end(raised if raised is not None else failure)
+    if path is None:
+        return
+    target = rank_file(path, trace.rank, trace.world_size)
+
+    def write() -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        trace.save_chrome(target)
+
+    worker = WorkerThread("gsync-trace", LoopHandle())
+    written = False
+    with anyio.CancelScope(shield=True):
+        try:
+            with anyio.move_on_after(_WRITE_TIMEOUT_S):
+                await worker.run(write)
+                written = True
+            if not written:
+                logger.warning("gsync: writing the trace file %s took over %g s; left it", target, _WRITE_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - the session's own outcome matters more than its trace
+            logger.warning("gsync: could not write the trace file %s: %r", target, error)
+        finally:
+            worker.stop()
+            await worker.join(1.0)
+    if not written:
+        return
+    trace.path = target
+    logger.info("gsync: trace written to %s", target)
+    if raised is not None:
+        _name_file(raised, target)
+
+
+def _name_file(error: BaseException, path: Path) -> None:
+    """End a gsync error's message with the trace file (in ``args``, so ``str`` and pickling keep it)."""
+    suffix = f" (trace: {path})"
+    if isinstance(error, GsyncError) and len(error.args) == 1 and isinstance(error.args[0], str):
+        if not error.args[0].endswith(suffix):
+            error.args = (error.args[0] + suffix,)
+    elif not is_cancellation(error):
+        # Not gsync's to reword (your own exception propagates unchanged): a note shows in the traceback.
+        error.add_note(f"gsync trace: {path}")

@@ -170,3 +170,89 @@ async def test_bad_checkpoint_settings_are_refused(tmp_path: Path) -> None:
         await engine.fit(TiedNet(), make_batches(1, 8), checkpoint_dir=tmp_path, keep=0, **args)
     with pytest.raises(gsync.InputTypeError, match="resume must be"):
         await engine.fit(TiedNet(), make_batches(1, 8), resume=3, **args)  # type: ignore[arg-type]
+
+
+class DropoutNet(torch.nn.Module):
+    """Draws from torch's generator in forward; its loss draws from Python's and NumPy's too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(32, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def noisy_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    import random
+
+    import numpy as np
+
+    return classification_loss(model, batch) * (1.0 + 1e-3 * random.random() + 1e-3 * float(np.random.rand()))
+
+
+async def test_a_resumed_fit_draws_the_same_random_numbers_as_the_run_it_continues(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    def seed_everything(seed: int) -> None:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+
+    batches = make_batches(6, 16)
+    engine = gsync.Engine(["cpu"])
+    seed_everything(0)
+    model = DropoutNet()
+    args: dict[str, Any] = {"optimizer": sgd, "loss_fn": noisy_loss}
+    seed_everything(1)
+    straight = await engine.fit(copy.deepcopy(model), batches, **args)
+    seed_everything(1)
+    await engine.fit(copy.deepcopy(model), batches[:3], checkpoint_dir=tmp_path, **args)
+    seed_everything(99)  # a fresh process starts from other generator states
+    resumed = await engine.fit(copy.deepcopy(model), batches, resume=tmp_path, **args)
+    assert resumed.first_step == 3
+    assert resumed.losses == straight.losses[3:]
+    assert_same_state(resumed.model, straight.model, atol=0)
+
+
+async def test_a_checkpoint_file_keeps_the_generators_and_the_data_position(tmp_path: Path) -> None:
+    engine = gsync.Engine(["cpu"])
+    result = await engine.fit(TiedNet(), make_batches(3, 8), epochs=2, optimizer=sgd, loss_fn=classification_loss)
+    assert result.checkpoint.data_position == (1, 3)
+    loaded = gsync.Checkpoint.load(result.checkpoint.save(tmp_path / "end.pt"))
+    assert loaded.data_position == (1, 3)
+    assert loaded.rng_state is not None and torch.equal(loaded.rng_state["torch"], result.checkpoint.rng_state["torch"])
+    # A failure's checkpoint is taken mid-step: no generator state to restore.
+    with gsync.testing.inject(engine, gsync.testing.fail(device=0, step=2, site="backward")):
+        with pytest.raises(gsync.WorkerFailed) as caught:
+            await engine.fit(TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.checkpoint.step == 1 and caught.value.checkpoint.rng_state is None
+
+
+async def test_resuming_with_data_that_does_not_line_up_is_refused(tmp_path: Path) -> None:
+    engine = gsync.Engine(["cpu"])
+    args: dict[str, Any] = {"optimizer": sgd, "loss_fn": classification_loss}
+    await engine.fit(TiedNet(), make_batches(3, 8), checkpoint_dir=tmp_path, **args)
+    with pytest.raises(gsync.ConfigError, match=r"does not line up with the checkpoint: through step 2 it had consumed 3 batch"):
+        await engine.fit(TiedNet(), make_batches(8, 8), accumulate=2, resume=tmp_path, **args)
+
+
+async def test_a_session_resumed_from_its_checkpoint_continues_the_same_random_draws() -> None:
+    batches = make_batches(6, 16)
+    engine = gsync.Engine(["cpu"])
+    torch.manual_seed(0)
+    model = DropoutNet()
+    args: dict[str, Any] = {"optimizer": sgd, "loss_fn": noisy_loss}
+    straight_model, resumed_model = copy.deepcopy(model), copy.deepcopy(model)
+    async with engine.session(straight_model, **args) as session:
+        for batch in batches[:3]:
+            await session.step(batch)
+        checkpoint = session.checkpoint()
+        straight = [(await session.step(batch)).loss for batch in batches[3:]]
+    torch.manual_seed(99)  # as in a new process
+    async with engine.session(resumed_model, resume=checkpoint, **args) as session:
+        resumed = [(await session.step(batch)).loss for batch in batches[3:]]
+    assert resumed == straight
+    assert_same_state(resumed_model, straight_model, atol=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 from typing import Any
 
 import anyio
@@ -288,7 +289,8 @@ async def test_bad_callbacks_and_recipe_arguments_are_refused_up_front() -> None
         engine.session(TiedNet(), scheduler=torch.optim.lr_scheduler.StepLR(opt, 1), **args)
 
 
-async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture) -> None:
+async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed: importing it fails
     caplog.set_level("INFO", logger="gsync")
     await gsync.Engine(TWO).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss, progress=True)
     assert any("step 0 (epoch 0): loss" in record.getMessage() for record in caplog.records)

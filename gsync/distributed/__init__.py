@@ -15,6 +15,10 @@ the group's timeout.
   writes a :class:`FailureReport` to the store, and every other rank's watcher
   thread hears of it at once, so peers raise :class:`PeerFailed` naming the
   failed rank instead of waiting on a collective that will never complete.
+- :class:`Heartbeat` names the ranks that cannot report: every rank beats its
+  step and phase through the store, so when a collective fails or times out,
+  the survivors raise :class:`~gsync.PeerLost` naming the rank that stopped
+  (killed, crashed, hung) or is stuck outside the collective.
 
 Nothing here imports the engine.
 """
@@ -27,6 +31,7 @@ from .failures import FailureBoard as FailureBoard
 from .failures import FailureReport as FailureReport
 from .failures import failure_report as failure_report
 from .failures import peer_failed as peer_failed
+from .heartbeat import Heartbeat as Heartbeat
 from .membership import GroupMembership as GroupMembership
 from .membership import join as join
 from .membership import should_use_distributed as should_use_distributed
@@ -35,6 +40,7 @@ __all__ = (
     "GroupMembership",
     "FailureBoard",
     "FailureReport",
+    "Heartbeat",
     "agree_on_order",
     "broadcast_module_state",
     "failure_report",

@@ -10,7 +10,17 @@ from datetime import timedelta
 import msgspec
 import torch.distributed as dist
 
-from ..errors import ConfigError, DataFailed, GsyncError, NonFiniteLoss, PeerFailed, SyncFailed, SyncTimeout, WorkerFailed
+from ..errors import (
+    ConfigError,
+    DataFailed,
+    GsyncError,
+    NonFiniteLoss,
+    PeerFailed,
+    PeerLost,
+    SyncFailed,
+    SyncTimeout,
+    WorkerFailed,
+)
 from .membership import GroupMembership
 
 __all__ = ("FailureBoard", "FailureReport", "failure_report", "peer_failed")
@@ -67,6 +77,10 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
         site = "gradient sync"
     elif isinstance(error, NonFiniteLoss):
         site = "loss check"
+    elif isinstance(error, PeerLost):
+        cause = error.__cause__
+        site = getattr(cause, "site", "") if isinstance(cause, SyncTimeout) else "collective"
+        step = getattr(cause, "step", step)
     elif isinstance(error, DataFailed):
         site = "reading data"
         root = error.__cause__ or error

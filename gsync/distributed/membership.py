@@ -68,6 +68,8 @@ class GroupMembership:
     device: torch.device
     run_id: int
     abort: threading.Event = field(default_factory=threading.Event)
+    store_host: int | None = None
+    """The group rank whose process hosts the store server, when gsync created it there (rank 0)."""
     _closed: bool = field(default=False, init=False, repr=False)
 
     @property
@@ -187,6 +189,7 @@ def join(
     timeout = timedelta(seconds=timeout_s)
     comm_device = _comm_device(device_type, device)
     created = False
+    store_host: int | None = None
     if process_group is not None:
         if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, dist.ProcessGroup):
             raise ConfigError(
@@ -204,6 +207,8 @@ def join(
         rank = _env_int("RANK")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: need 0 <= RANK < WORLD_SIZE")
+        if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            store_host = 0
         group_store = _fresh_prefix(store if store is not None else _create_store(rank, world_size, timeout), world_size)
         init_kwargs: dict[str, Any] = {}
         if backend == "nccl" and device is not None:
@@ -232,6 +237,7 @@ def join(
         device=comm_device,
         run_id=run_id,
         abort=abort,
+        store_host=store_host,
     )
 
 

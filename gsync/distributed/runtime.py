@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ..agreement import AgreedStep, StepFacts
-from ..errors import ConfigError, GsyncError, PeerFailed, SyncTimeout
+from ..errors import ConfigError, GsyncError, LostRank, PeerFailed, PeerLost, SyncTimeout
 from ..topology import Topology
 from .agreement import agree_on_order, broadcast_module_state, gather_topology, union_of_names, verify_same_parameters
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
+from .heartbeat import Heartbeat, Whereabouts
 from .membership import GroupMembership, join
 
 __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
@@ -28,19 +29,20 @@ __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 # gloo's own timeout is set a little past gsync's, so gsync's SyncTimeout,
 # which names what is missing, fires first.
 _GROUP_TIMEOUT_MARGIN_S = 30.0
-# How long a rank whose collective failed waits for a peer's report before
-# blaming the collective. A failed peer publishes its report before it closes
-# its group, so once its connections close the report is already in the store;
-# the grace only covers a slow store. A peer killed outright publishes nothing,
-# and every survivor waits this long on the way out.
+# How long a rank whose collective timed out waits for a peer's own report
+# before naming a live peer stuck from its heartbeat: a peer whose own timeout
+# fired at about the same time reports within it, and its report says more.
+# A failed peer publishes its report before it closes its group, so a
+# collective that failed on a closed connection finds it at once.
 _PEER_REPORT_GRACE_S = 0.5
 
 
 class ProcessGroupRuntime:
-    def __init__(self, membership: GroupMembership, topology: Topology) -> None:
+    def __init__(self, membership: GroupMembership, topology: Topology, heartbeat: Heartbeat) -> None:
         self.membership = membership
         self.topology = topology
         self.board = FailureBoard(membership)
+        self.heartbeat = heartbeat
 
     @classmethod
     def start(
@@ -70,7 +72,11 @@ class ProcessGroupRuntime:
             device=first_device if device_type == "cuda" else None,
             abort=abort,
         )
+        heartbeat = Heartbeat(membership)
         try:
+            # Beating starts before the first collective, so once it completes
+            # every rank's first beat is in the store.
+            heartbeat.start()
             topology = gather_topology(membership, local_devices)
             if process_local_data and topology.world_devices != local_devices * topology.world_size:
                 raise ConfigError(
@@ -79,9 +85,10 @@ class ProcessGroupRuntime:
                     f"{topology.world_size} ranks"
                 )
         except BaseException:
+            heartbeat.stop()
             membership.close()
             raise
-        return cls(membership, topology)
+        return cls(membership, topology, heartbeat)
 
     def prepare(self, replicas: Sequence[nn.Module]) -> None:
         """Check every rank trains the same parameters and start every replica from rank 0's state. Collective.
@@ -150,31 +157,72 @@ class ProcessGroupRuntime:
         self.board.start_watching(callback)
 
     def report(self, error: BaseException) -> None:
-        """Tell the other ranks why this rank's run is ending (not for :class:`~gsync.PeerFailed`)."""
-        if not isinstance(error, PeerFailed):
+        """Tell the other ranks why this rank's run is ending.
+
+        Not for :class:`~gsync.PeerFailed` (the peer told everyone itself),
+        but for :class:`~gsync.PeerLost`: the lost rank cannot, and a stuck
+        one learns that way that it was named.
+        """
+        if isinstance(error, PeerLost) or not isinstance(error, PeerFailed):
             self.board.report(failure_report(self.membership.rank, error))
 
     def union_of_names(self, names: Sequence[str]) -> list[str]:
         """Every rank's names, sorted. Collective."""
         return union_of_names(self.membership, names)
 
-    def blame_peer(self, error: GsyncError) -> GsyncError:
-        """For a failed or stalled collective, the peer's failure that caused it, if one was reported.
+    def track(self, where: Callable[[], Whereabouts], on_lost: Callable[[list[LostRank]], object]) -> None:
+        """Beat ``where()`` from now on, and call ``on_lost`` (from the heartbeat thread) once a peer falls silent."""
+        self.heartbeat.where = where
+        self.heartbeat.on_lost(on_lost)
 
-        A timeout that names a stalled local device is this rank's own
-        diagnosis and is kept as it is.
+    def blame_peer(self, error: GsyncError) -> GsyncError:
+        """For a failed or stalled collective, the peer that caused it: its own report, else its heartbeat.
+
+        A peer's report (:class:`~gsync.PeerFailed`) wins. Without one, the
+        heartbeats name the peers that stopped beating, or, for a timeout,
+        the live peers that were not waiting in a collective
+        (:class:`~gsync.PeerLost`). Blocks up to a few seconds (the time a
+        killed peer's beat takes to go stale). A timeout that names a
+        stalled local device is this rank's own diagnosis and is kept.
         """
         if isinstance(error, SyncTimeout) and (error.missing or error.stalled_devices):
             return error
-        report = self.board.peer_report(_PEER_REPORT_GRACE_S)
-        if report is None:
+        reports: list[FailureReport] = []
+
+        def reported() -> bool:
+            try:
+                report = self.board.peer_report()
+            except Exception:  # noqa: BLE001 - a store that is gone is handled below
+                return False
+            if report is not None:
+                reports.append(report)
+            return report is not None
+
+        heartbeat = self.heartbeat
+        lost = heartbeat.diagnose(
+            heartbeat.stale_after_s + 2 * heartbeat.interval_s,
+            reported,
+            stuck_after_s=_PEER_REPORT_GRACE_S if isinstance(error, SyncTimeout) else None,
+            during=getattr(error, "step", -1),
+        )
+        host = self.membership.store_host
+        if not reports and not lost and heartbeat.store_error is not None and host is not None and host != self.membership.rank:
+            # The store lives in the host rank's process: unreachable means that process is gone.
+            seen = heartbeat.last_seen(host, during=getattr(error, "step", -1))
+            lost = [seen] if seen is not None else []
+        blamed: GsyncError
+        if reports:
+            blamed = peer_failed(reports[0])
+        elif lost:
+            blamed = PeerLost(lost)
+        else:
             return error
-        blamed = peer_failed(report)
         blamed.__cause__ = error
         return blamed
 
     def close(self) -> None:
-        """Stop the watcher and destroy what gsync created (a user's group stays up)."""
+        """Stop beating and watching, and destroy what gsync created (a user's group stays up)."""
+        self.heartbeat.stop()
         self.board.stop()
         self.membership.close()
 

@@ -1,0 +1,175 @@
+"""A rank that dies, hangs or gets stuck is named by the survivors, with its step and phase (2 real processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
+from harness import run_ranks  # noqa: E402
+
+from gsync.distributed.heartbeat import LOST_AFTER_S  # noqa: E402
+
+STEPS = 6
+
+
+def _outcome(error: BaseException, started: float) -> dict[str, Any]:
+    import gsync
+
+    lost = getattr(error, "lost", ())
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "elapsed": time.monotonic() - started,
+        "is_peer_failed": isinstance(error, gsync.PeerFailed),
+        "rank": getattr(error, "rank", None),
+        "step": getattr(error, "step", None),
+        "site": getattr(error, "site", None),
+        "silent": [rank.silent_for for rank in lost],
+        "last_step": error.last_step if isinstance(error, gsync.GsyncError) else None,
+    }
+
+
+def _end_peer(pid_file: Path) -> None:
+    # The peer is stopped or stuck on purpose; once it has been named, end it.
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _fit_with(loss_fn: Any, data: Any, sync_timeout: float, pid_file: Path) -> dict[str, Any]:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        pid_file.write_text(str(os.getpid()))
+    started = time.monotonic()
+    try:
+        asyncio.run(gsync.Engine(["cpu"], sync_timeout=sync_timeout).fit(TiedNet(), data, optimizer=sgd, loss_fn=loss_fn))
+    except gsync.GsyncError as error:
+        outcome = _outcome(error, started)
+        if rank == 0:
+            _end_peer(pid_file)
+        return outcome
+    return {"type": None}
+
+
+def stopped_at_step_2(pid_file: Path) -> dict[str, Any]:
+    """Rank 1 freezes (SIGSTOP) in backward at step 2; the sync timeout is far away."""
+    rank = int(os.environ["RANK"])
+    calls = [0]
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = classification_loss(model, batch)
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return loss
+
+    return _fit_with(loss_fn, make_batches(STEPS, 8), 120.0, pid_file)
+
+
+@pytest.mark.timeout(90)
+def test_a_frozen_rank_is_named_long_before_the_sync_timeout(tmp_path: Path) -> None:
+    survivor, _ = run_ranks(stopped_at_step_2, 2, args=(tmp_path / "pid",), timeout=80, failure_grace=20)
+    assert survivor.ok, survivor.describe()
+    outcome = survivor.value
+    assert outcome["type"] == "PeerLost", outcome
+    assert outcome["rank"] == 1 and outcome["step"] == 2, outcome
+    assert "rank 1 stopped responding at step 2" in outcome["message"], outcome
+    assert "it was killed, crashed or is hung" in outcome["message"], outcome
+    assert outcome["silent"][0] >= LOST_AFTER_S
+    # Named by its silence, not by the 120 s sync timeout.
+    assert outcome["elapsed"] < LOST_AFTER_S + 10, outcome
+    assert outcome["last_step"] == 1
+
+
+def data_stuck_on_rank_1(pid_file: Path) -> dict[str, Any]:
+    """Rank 1's data loader blocks before step 2 (reading data is not timed, so rank 1 itself never times out)."""
+    rank = int(os.environ["RANK"])
+    batches = make_batches(STEPS, 8)
+    never = threading.Event()
+
+    def data() -> Iterator[Any]:
+        for step, batch in enumerate(batches):
+            if rank == 1 and step == 2:
+                never.wait()
+            yield batch
+
+    return _fit_with(classification_loss, data(), 3.0, pid_file)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_stuck_in_its_data_is_named_alive_and_where(tmp_path: Path) -> None:
+    survivor, _ = run_ranks(data_stuck_on_rank_1, 2, args=(tmp_path / "pid",), timeout=80, failure_grace=20)
+    assert survivor.ok, survivor.describe()
+    outcome = survivor.value
+    assert outcome["type"] == "PeerLost", outcome
+    assert outcome["rank"] == 1 and outcome["site"] == "outside gsync", outcome
+    assert outcome["silent"] == [None], outcome  # it still beats: alive, stuck
+    # fit reads one batch ahead, so the read stuck before step 2 stops rank 1 before step 1.
+    assert "rank 1 is alive but stuck at its own code after step 0 (the training loop or its data)" in outcome["message"]
+    assert outcome["elapsed"] < 3.0 + 10, outcome
+
+
+def loss_stuck_on_rank_1(pid_file: Path) -> dict[str, Any]:
+    """Rank 1's loss function never returns at step 2."""
+    rank = int(os.environ["RANK"])
+    calls = [0]
+    never = threading.Event()
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 1 and calls[0] == 3:
+            never.wait()
+        return classification_loss(model, batch)
+
+    return _fit_with(loss_fn, make_batches(STEPS, 8), 3.0, pid_file)
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_stuck_in_its_loss_function_is_named_with_step_and_phase(tmp_path: Path) -> None:
+    survivor, _ = run_ranks(loss_stuck_on_rank_1, 2, args=(tmp_path / "pid",), timeout=80, failure_grace=20)
+    assert survivor.ok, survivor.describe()
+    outcome = survivor.value
+    # Rank 1's own sync timeout may report first (PeerFailed carrying its SyncTimeout), or rank 0 names it from
+    # its heartbeat (PeerLost): either way the stuck rank, its step and its phase are named.
+    assert outcome["is_peer_failed"], outcome
+    assert outcome["rank"] == 1 and outcome["step"] == 2, outcome
+    assert "forward" in outcome["message"], outcome
+    assert outcome["elapsed"] < 3.0 + 10, outcome
+
+
+def store_host_killed_at_step_2() -> dict[str, Any]:
+    """Rank 0, whose process hosts the store, is SIGKILLed in forward at step 2."""
+    rank = int(os.environ["RANK"])
+    calls = [0]
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        calls[0] += 1
+        if rank == 0 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return classification_loss(model, batch)
+
+    return _fit_with(loss_fn, make_batches(STEPS, 8), 5.0, Path(os.devnull))
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_store_host_is_named_by_the_others(tmp_path: Path) -> None:
+    killed, survivor = run_ranks(store_host_killed_at_step_2, 2, timeout=80, failure_grace=20)
+    assert killed.returncode == -signal.SIGKILL
+    assert survivor.ok, survivor.describe()
+    outcome = survivor.value
+    assert outcome["type"] == "PeerLost", outcome
+    assert outcome["rank"] == 0 and outcome["step"] == 2, outcome
+    assert outcome["elapsed"] < 5.0 + 10, outcome
