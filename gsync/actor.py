@@ -33,9 +33,24 @@ from .batches import move_batch
 from .buckets import Readiness, ReplicaGrads
 from .context import ActorContext, Shard
 from .devices import DeviceSpec
-from .errors import GsyncError, InputTypeError, NonFiniteLoss, SyncFailed, SyncTimeout, WorkerFailed
+from .errors import (
+    GsyncError,
+    InputTypeError,
+    NonFiniteLoss,
+    SyncFailed,
+    SyncTimeout,
+    WorkerFailed,
+)
 from .mailbox import Mailbox
-from .messages import BucketReady, Close, DeviceMessage, ForwardDone, StepApplied, StepSynced
+from .messages import (
+    BucketReady,
+    Close,
+    DeviceMessage,
+    ForwardDone,
+    StepApplied,
+    StepSynced,
+)
+from .readout import LossReadout
 
 __all__ = ("DeviceActor",)
 
@@ -80,6 +95,7 @@ class DeviceActor:
         self._posting = True
         self._grad_scale = 1.0
         self._got_grad = bytearray(len(self.params))
+        self._losses = LossReadout(spec.torch_device)
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
             for position, param in enumerate(self.params)
@@ -159,9 +175,9 @@ class DeviceActor:
             self._adopt_plan()
         weight = shard.weight
         batches = len(parts)
-        loss_share = 0.0
-        skip = False
-        forward_posted = False
+        readout = self._losses
+        readout.start(batches)
+        last_backward_ran = False
         self._got_grad[:] = bytes(len(self._got_grad))
         for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):
             if rows == 0:
@@ -177,33 +193,28 @@ class DeviceActor:
             with self._enter("forward"), self._autocast():
                 loss = self._context.recipe.loss_fn(self.replica, data)
                 self._check_loss(loss)
-                value = loss.item()
-            loss_share += value * rows / total / batches
-            if not math.isfinite(value):
-                if self._context.on_nonfinite == "raise":
-                    raise NonFiniteLoss(self.spec.name, self.index, self.step, value)
-                # Skipping: no backward; the buckets are zero-filled and the
-                # server tells every device to leave this step's update out.
-                skip = True
-                break
-            if last:
-                # Before any bucket of this device is posted, so the server
-                # has the device's loss when the step's reductions end.
-                self._post_forward_done(loss_share, skip=False)
-                forward_posted = True
+                # Read after backward is launched, not here: no host sync between the two.
+                readout.add(loss, rows / total / batches)
             with self._enter("backward"):
                 self.grads.release()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        if not forward_posted:
-            # The last backward did not run (its shard was empty, or a loss was
-            # not finite): no bucket was posted this step, so every bucket is.
-            self._post_forward_done(loss_share, skip)
-            self.readiness.reset()
+            last_backward_ran = last
         if batches > 1:
             # Parameters that got gradients in earlier batches but not in the
             # last backward were left with grad None by its release().
             self.grads.attach()
+        losses = readout.read()
+        nonfinite = next((value for value, _ in losses if not math.isfinite(value)), None)
+        if nonfinite is not None and self._context.on_nonfinite == "raise":
+            # Before the server hears of this device's losses, so the step never completes anywhere.
+            raise NonFiniteLoss(self.spec.name, self.index, self.step, nonfinite)
+        if not last_backward_ran:
+            # The last shard was empty: no bucket was posted this step, so every bucket is.
+            self.readiness.reset()
         self._post_unfinished()
+        # A non-finite loss (on_nonfinite="skip") had its backward too; the
+        # server tells every device to leave the step's update out.
+        self._post_forward_done(sum(value * share for value, share in losses), skip=nonfinite is not None)
 
     def _post_forward_done(self, loss_share: float, skip: bool) -> None:
         self._context.server.post_threadsafe(ForwardDone(self.index, self.step, loss_share, skip))

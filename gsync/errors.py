@@ -32,6 +32,15 @@ __all__ = (
 )
 
 
+def _restore(cls: type[GsyncError], args: tuple[Any, ...], state: dict[str, Any]) -> GsyncError:
+    # Built as the interpreter builds it (an OSError subclass, such as a TimeoutError, by OSError's __new__),
+    # without calling an __init__ whose parameters are not the message.
+    error = (OSError if issubclass(cls, OSError) else BaseException).__new__(cls, *args)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
 class GsyncError(Exception):
     """Base class of every error gsync raises on purpose.
 
@@ -39,10 +48,17 @@ class GsyncError(Exception):
     update every device agreed on, or ``None`` when none was, and
     ``checkpoint`` (a :class:`gsync.Checkpoint`) holds the model and optimizer
     state as of that step: pass it to ``fit(..., resume=checkpoint)``.
+
+    Every gsync error pickles with its attributes (to cross a process
+    boundary: multiprocessing, a job scheduler), although most take other
+    constructor arguments than their message.
     """
 
     last_step: int | None = None
     checkpoint: Any = None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restore, (type(self), self.args, self.__dict__))
 
 
 class ConfigError(GsyncError, ValueError):

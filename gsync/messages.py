@@ -47,7 +47,12 @@ class StepDispatched(_Message):
 
 
 class ForwardDone(_Message):
-    """``device`` finished the forward passes of ``step``; posted before any of its ``BucketReady``.
+    """``device`` finished the forward passes of ``step`` and read their losses.
+
+    Posted after the device's backward passes were launched and its last
+    ``BucketReady`` (reading a loss waits for its forward pass, so it is not
+    read between forward and backward); the server completes a step only
+    once every device's ``ForwardDone`` and every reduction are in.
 
     ``loss`` is the device's share of the step's global mean loss (its shard
     loss weighted by its rows); ``skip`` says a loss was not finite and the

@@ -129,9 +129,17 @@ class SyncServer:
         unused: list[set[int] | None] = [None] * num_buckets
         next_launch = 0
         reduced = 0
+        losses_in = 0
         finished = False
         skip = False
         loss = 0.0
+
+        def complete() -> bool:
+            # Every reduction done and every device's losses read: the step's facts are all in.
+            if reduced < num_buckets or losses_in < num_devices:
+                return False
+            no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
+            return self._finish_step(StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last))
 
         with anyio.move_on_after(self._timeout) as deadline:
             while not finished:
@@ -141,6 +149,8 @@ class SyncServer:
                         self._expect_step(step, at, message)
                         loss += share
                         skip = skip or device_skips
+                        losses_in += 1
+                        finished = complete()
                     case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
                         self._expect_step(step, at, message)
                         self.bucket_ready_received += 1
@@ -153,10 +163,7 @@ class SyncServer:
                     case BucketReduced(step=at):
                         self._expect_step(step, at, message)
                         reduced += 1
-                        if reduced == num_buckets:
-                            no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
-                            facts = StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last)
-                            finished = self._finish_step(facts)
+                        finished = complete()
                     case StepFinished(step=at):
                         self._expect_step(step, at, message)
                         finished = True
@@ -179,7 +186,9 @@ class SyncServer:
             stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
             last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
             site = "gradient sync"
-            if reduced == num_buckets:
+            if reduced == num_buckets and losses_in < num_devices:
+                site = "loss check (reading a device's loss)"
+            elif reduced == num_buckets:
                 site = "closing collectives (buffer broadcast, agreement across processes)"
             elif not missing_pairs:
                 site = "gradient sync (waiting on the collective; with several processes, on another rank)"

@@ -471,7 +471,7 @@ async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr:
         assert joined, "the actor's worker thread did not exit"
 
 
-async def test_actor_posts_forward_done_then_one_bucket_ready_per_bucket_and_applies_the_synced_step() -> None:
+async def test_actor_posts_one_bucket_ready_per_bucket_then_its_loss_and_applies_the_synced_step() -> None:
     batch = make_batch(4, seed=1)
     async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
         actor = rig.actor
@@ -479,10 +479,10 @@ async def test_actor_posts_forward_done_then_one_bucket_ready_per_bucket_and_app
         group.start_soon(actor.run, receive)
         await rig.send.send(Shard(step=0, rows=(4,), total_rows=(8,), data=(batch,)))
 
-        first = await rig.next_server_message()
-        assert first == ForwardDone(device=0, step=0, loss=ref_loss * 4 / 8, skip=False)
         readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
         assert all(isinstance(m, BucketReady) for m in readies), readies
+        # The loss is read once backward is launched (no host sync between them), so it comes last.
+        assert await rig.next_server_message() == ForwardDone(device=0, step=0, loss=ref_loss * 4 / 8, skip=False)
         assert sorted(m.bucket for m in readies) == [0, 1]  # type: ignore[union-attr]
         assert all((m.device, m.step, m.unused) == (0, 0, ()) for m in readies)  # type: ignore[union-attr]
 
@@ -519,12 +519,12 @@ async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows
         group.start_soon(actor.run, receive)
         await rig.send.send(shard)
 
+        readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
+        assert sorted(m.bucket for m in readies if isinstance(m, BucketReady)) == [0, 1]
         first = await rig.next_server_message()
         assert isinstance(first, ForwardDone)
         assert (first.device, first.step, first.skip) == (0, 0, False)
         assert first.loss == pytest.approx(sum(share * loss for share, (loss, _) in zip(shares, references)), rel=1e-12)
-        readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
-        assert sorted(m.bucket for m in readies if isinstance(m, BucketReady)) == [0, 1]
 
         # The bucket holds the device's weighted mean gradient over the batches, divided by
         # its weight (the reduction multiplies it back).
@@ -564,8 +564,8 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
         group.start_soon(actor.run, receive)
         await rig.send.send(shard)
         messages = [await rig.next_server_message() for _ in range(3)]
-        assert isinstance(messages[0], ForwardDone)
-        readies = {m.bucket: m for m in messages[1:] if isinstance(m, BucketReady)}
+        assert isinstance(messages[2], ForwardDone)
+        readies = {m.bucket: m for m in messages[:2] if isinstance(m, BucketReady)}
         # The bias (bucket 0) got a gradient in the step, so it is not unused.
         assert sorted(readies) == [0, 1] and readies[0].unused == () and readies[1].unused == ()
 
@@ -577,9 +577,9 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
             torch.testing.assert_close(view, want, rtol=1e-6, atol=1e-7)
         rig.reduce(sorted(readies))
         before = [p.detach().clone() for p in actor.params]
-        actor.mailbox.post(StepSynced(0, (), False, messages[0].loss))
+        actor.mailbox.post(StepSynced(0, (), False, messages[2].loss))
         with anyio.fail_after(WAIT_S):
-            assert await rig.session.receive() == StepApplied(0, 0, messages[0].loss, rig.lr)
+            assert await rig.session.receive() == StepApplied(0, 0, messages[2].loss, rig.lr)
         for name, param, old, want in zip(("weight", "bias"), actor.params, before, wants):
             torch.testing.assert_close(param.detach(), old - rig.lr * want, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         rig.send.close()
@@ -594,8 +594,8 @@ async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
         group.start_soon(actor.run, receive)
         await rig.send.send(Shard(0, (4,), (8,), (batch,)))
         messages = [await rig.next_server_message() for _ in range(3)]
-        assert isinstance(messages[0], ForwardDone)
-        rig.reduce([m.bucket for m in messages[1:]])  # type: ignore[union-attr]
+        assert isinstance(messages[2], ForwardDone)
+        rig.reduce([m.bucket for m in messages[:2]])  # type: ignore[union-attr]
         actor.mailbox.post(StepSynced(0, (), True, math.inf))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()

@@ -320,3 +320,26 @@ async def test_checkpoint_after_skipped_steps_resumes_exactly(no_leaks: None) ->
     assert caught.value.last_step == 3  # skipped steps count as consistent
     resumed = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss, resume=caught.value.checkpoint)
     assert_same_state(resumed.model, unfailed.model, atol=1e-6)
+
+
+async def test_every_gsync_error_pickles_with_its_attributes() -> None:
+    import pickle
+
+    errors: list[gsync.GsyncError] = [
+        gsync.WorkerFailed("cpu:1", 1, 3, "backward"),
+        gsync.SyncFailed(2, 0, "gloo said no"),
+        gsync.SyncTimeout(4, 3.0, [("cpu:0", 1)], [2], last_seen={"cpu:0": "step 4, backward"}),
+        gsync.NonFiniteLoss("cpu:0", 0, 5, float("inf")),
+        gsync.PeerFailed(1, "cpu", 2, "forward", "KeyError", "'x'"),
+        gsync.PeerLost([gsync.LostRank(1, 2, "backward", "cpu", 3.2, 0.1)]),
+        gsync.DataFailed(7),
+        gsync.ConfigError("bad"),
+    ]
+    for error in errors:
+        error.last_step = 1
+        error.add_note("a note")
+        restored = pickle.loads(pickle.dumps(error))
+        assert type(restored) is type(error) and str(restored) == str(error)
+        assert restored.__dict__.keys() == error.__dict__.keys()
+        assert restored.last_step == 1 and restored.__notes__ == ["a note"]
+    assert pickle.loads(pickle.dumps(errors[5])).lost == errors[5].lost
