@@ -94,6 +94,7 @@ class DeviceActor:
         # How the running backward treats gradients (see _hook_for); set per batch of a step.
         self._posting = True
         self._grad_scale = 1.0
+        self._direct = False
         self._got_grad = bytearray(len(self.params))
         self._losses = LossReadout(spec.torch_device)
         self._hooks = [
@@ -122,7 +123,9 @@ class DeviceActor:
             if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
-            self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
+            # A sparse gradient still goes through its (dense) slot, as with several devices.
+            if not (self._direct and not param.grad.is_sparse):  # type: ignore[union-attr]
+                self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
                 context.streams.mark_ready(self.index, bucket)
@@ -177,6 +180,9 @@ class DeviceActor:
         batches = len(parts)
         readout = self._losses
         readout.start(batches)
+        # Alone in the run with one batch, the gradient autograd delivers is
+        # the step's: it stays in .grad (no copy into the bucket).
+        self._direct = self._context.direct_grads and batches == 1
         last_backward_ran = False
         self._got_grad[:] = bytes(len(self._got_grad))
         for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):

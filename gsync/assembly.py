@@ -118,6 +118,8 @@ def assemble(
         first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
         bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         streams=streams,
+        # One device in the whole run and no compression: a reduction is the identity.
+        direct_grads=collective.world_devices == 1 and engine.compression is None,
     )
     shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
     actors = []

@@ -126,6 +126,9 @@ class ActorContext:
     bucket_cap_bytes: int = 25 << 20
     streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
     """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
+    direct_grads: bool = False
+    """The run has one device in all and reduces nothing: gradients stay where autograd put them (no copy into
+    the buckets), as in a plain loop."""
 
 
 class DeviceEndpoint(Protocol):

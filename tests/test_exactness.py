@@ -173,7 +173,8 @@ class SparseBag(nn.Module):
         return self.head(self.embed(tokens).mean(dim=1))
 
 
-async def test_sparse_gradients_match_single_device_training() -> None:
+@pytest.mark.parametrize("num_devices", [1, 2])
+async def test_sparse_gradients_match_single_device_training(num_devices: int) -> None:
     torch.manual_seed(9)
     model = SparseBag()
     generator = torch.Generator().manual_seed(9)
@@ -183,5 +184,5 @@ async def test_sparse_gradients_match_single_device_training() -> None:
         return torch.optim.SGD(params, lr=0.1)
 
     expected_model, _ = train_reference(model, batches, optimizer=plain_sgd)
-    await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, batches, optimizer=plain_sgd, loss_fn=classification_loss)
+    await gsync.Engine([f"cpu:{i}" for i in range(num_devices)]).fit(model, batches, optimizer=plain_sgd, loss_fn=classification_loss)
     assert_same_state(model, expected_model)
