@@ -19,6 +19,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -28,6 +29,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multiproc"))
 
 import test_engine_multiprocess as scenarios  # noqa: E402
+import test_heartbeat_multiprocess as heartbeat_scenarios  # noqa: E402
 import test_session_multiprocess as session_scenarios  # noqa: E402
 from harness import RankResult, run_ranks  # noqa: E402
 
@@ -60,7 +62,13 @@ def _all(*checks: Check) -> Check:
 def _killed_rank_1(results: list[RankResult]) -> str | None:
     if results[1].returncode != -signal.SIGKILL:
         return f"rank 1 should have been SIGKILLed: {results[1].describe()}"
-    return _expect(0, "SyncFailed", "SyncTimeout")(results)
+    return _expect(0, "PeerLost")(results)
+
+
+def _killed_rank_0(results: list[RankResult]) -> str | None:
+    if results[0].returncode != -signal.SIGKILL:
+        return f"rank 0 should have been SIGKILLed: {results[0].describe()}"
+    return _expect(1, "PeerLost")(results)
 
 
 def _config_error_everywhere(results: list[RankResult]) -> str | None:
@@ -72,10 +80,20 @@ def _config_error_everywhere(results: list[RankResult]) -> str | None:
     return None
 
 
+# Where a frozen or stuck rank 1 leaves its pid, for rank 0 to end it once named.
+_PID_FILE = Path(tempfile.mkdtemp(prefix="gsync-stress-")) / "pid"
+
 SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
     "worker failure on rank 1": (scenarios.fail_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed"))),
     "data failure on rank 1": (scenarios.data_fails_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "DataFailed"))),
     "rank 1 SIGKILLed": (scenarios.killed_at_step_2, _killed_rank_1),
+    "rank 1 frozen (SIGSTOP)": (partial(heartbeat_scenarios.stopped_at_step_2, _PID_FILE), _expect(0, "PeerLost")),
+    "rank 1 stuck in its data": (partial(heartbeat_scenarios.data_stuck_on_rank_1, _PID_FILE), _expect(0, "PeerLost")),
+    "rank 1 stuck in its loss": (
+        partial(heartbeat_scenarios.loss_stuck_on_rank_1, _PID_FILE),
+        _expect(0, "PeerLost", "PeerFailed"),
+    ),
+    "rank 0 (store host) SIGKILLed": (heartbeat_scenarios.store_host_killed_at_step_2, _killed_rank_0),
     "data ends at different steps": (
         scenarios.uneven_data_lengths,
         _all(_expect(0, "ConfigError"), _expect(1, "ConfigError")),
@@ -98,6 +116,16 @@ SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
         _all(_expect(0, "PeerFailed"), _expect(1, "KeyError")),
     ),
 }
+
+
+# A survivor of a killed, frozen or stuck peer may take seconds to exit under load (the tests give it 20 s too).
+_SLOW_TO_EXIT = (
+    scenarios.killed_at_step_2,
+    heartbeat_scenarios.stopped_at_step_2,
+    heartbeat_scenarios.data_stuck_on_rank_1,
+    heartbeat_scenarios.loss_stuck_on_rank_1,
+    heartbeat_scenarios.store_host_killed_at_step_2,
+)
 
 
 def _hog() -> None:
@@ -130,7 +158,7 @@ def main() -> None:
             target, fn_args = (fn.func, fn.args) if isinstance(fn, partial) else (fn, ())
             for attempt in range(args.repeats):
                 # The grace the tests give: the SIGKILL scenario's survivor may take longer to exit under load.
-                grace = 20.0 if target is scenarios.killed_at_step_2 else 5.0
+                grace = 20.0 if target in _SLOW_TO_EXIT else 5.0
                 results = run_ranks(target, 2, args=fn_args, timeout=80, failure_grace=grace)
                 problem = check(results)
                 if problem is None:
