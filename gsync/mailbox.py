@@ -95,10 +95,23 @@ class Mailbox(Generic[M]):
             self.try_post(message)
 
     async def receive(self) -> M:
-        """Wait for the next message.
+        """The next message: at once if one is queued, else once one arrives.
+
+        A queued message is taken without yielding to the loop (anyio's
+        ``receive`` always yields first): a burst of messages, such as every
+        device's ``BucketReady`` riding on one wake-up, is handled in one loop
+        iteration rather than one per message. A reader yields (and sees
+        cancellation) whenever its mailbox runs empty, which the protocol
+        bounds to a step's worth of messages.
 
         :raises ~gsync.MailboxClosed: if the mailbox is closed and empty.
         """
+        try:
+            return self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            pass
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            raise MailboxClosed(self.owner, "<receive>") from None
         try:
             return await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):

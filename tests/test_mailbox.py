@@ -62,3 +62,32 @@ def test_messages_encode_as_tagged_msgpack() -> None:
         assert decoder.decode(msgspec.msgpack.encode(message)) == message
     with pytest.raises(AttributeError):
         BucketReady(0, 0, 0).step = 1  # type: ignore[misc]
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_queued_messages_is_read_in_one_loop_iteration() -> None:
+    box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
+    for bucket in range(100):
+        box.post(BucketReady(0, 0, bucket))
+    other_ran = anyio.Event()
+
+    async def other() -> None:
+        other_ran.set()
+
+    async def late_post() -> None:
+        box.post(Close("later"))
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(other)
+            # Queued messages are taken without yielding: the other task has not run yet.
+            received = [await box.receive() for _ in range(100)]
+            assert not other_ran.is_set()
+            # An empty mailbox yields while it waits (the other tasks run, one posts).
+            group.start_soon(late_post)
+            with anyio.fail_after(5):
+                assert await box.receive() == Close("later")
+            assert other_ran.is_set()
+    finally:
+        box.discard()
+    assert [m.bucket for m in received] == list(range(100))  # type: ignore[union-attr]
