@@ -1,5 +1,5 @@
 """Baselines without gsync: one plain process, the 2-replica compute floor, torch DDP (gloo)
-and, for the control-plane benchmark, two replicas trained sequentially in one thread.
+and, for the control-plane benchmarks, N replicas trained sequentially in one thread.
 
 Each function runs inside a fresh worker process (see ``isolate.py``) and
 returns a JSON-able dict; step times are wall-clock per optimizer step,
@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from tests.plain_loop import train_steps
+
 from .common import Window, os_threads, summarize_ms
 from .workloads import (
+    TINY_LAYERS,
     loss_fn,
     make_batches,
     make_mlp,
@@ -32,22 +35,19 @@ from .workloads import (
 def _timed_steps(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], warmup: int
 ) -> tuple[list[float], dict[str, Any]]:
-    """A plain training loop; the per-step wall times after ``warmup`` steps, and the resource window over them."""
-    times: list[float] = []
-    window = None
-    for i, batch in enumerate(batches):
-        if i == warmup:
-            window = Window()
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        loss = loss_fn(model, batch)
-        loss.backward()
-        optimizer.step()
-        loss.item()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    assert window is not None
-    return times, window.stop()
+    """The plain loop (``tests/plain_loop.py``); the per-step wall times after ``warmup`` steps, and the
+    resource window over them."""
+    stamps: list[float] = []
+    window: list[Window] = []
+
+    def before_step(index: int) -> None:
+        if index == warmup:
+            window.append(Window())
+        stamps.append(time.perf_counter())
+
+    train_steps(model, optimizer, batches, loss_fn, before_step=before_step)
+    stamps.append(time.perf_counter())
+    return [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])], window[0].stop()
 
 
 def plain(steps: int, warmup: int, threads: int | None = None) -> dict[str, Any]:
@@ -190,9 +190,14 @@ def floor(steps: int, warmup: int, threads_per_replica: int | None = 1, replicas
     }
 
 
-def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, threads: int = 1) -> dict[str, Any]:
-    """(d) One rank of torch DDP over gloo; each rank trains on its shard of each global batch."""
+def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, threads: int = 1,
+             comm_hook: str | None = None) -> dict[str, Any]:
+    """(d) One rank of torch DDP over gloo; each rank trains on its shard of each global batch.
+
+    ``comm_hook``: ``"bf16"`` or ``"fp16"`` registers DDP's ``bf16_compress_hook`` or ``fp16_compress_hook``.
+    """
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(threads)
@@ -205,6 +210,10 @@ def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, thr
     )
     try:
         model = DistributedDataParallel(make_mlp())
+        if comm_hook is not None:
+            hook = getattr(default_hooks, f"{comm_hook}_compress_hook")
+            # DDP refuses bf16_compress_hook by its name unless NCCL is there; gloo sums bf16 fine, so call it unnamed.
+            model.register_comm_hook(None, lambda state, bucket: hook(state, bucket))
         optimizer = sgd(model.parameters())
         batches = [shard(b, world_size, rank) for b in make_batches(warmup + steps)]
         dist.barrier()
@@ -222,17 +231,17 @@ def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, thr
     }
 
 
-def sequential_pair(steps: int, warmup: int, repeats: int = 1) -> dict[str, Any]:
-    """Control-plane baseline: the work of a 2-device gsync step done by hand in one thread.
+def sequential(steps: int, warmup: int, repeats: int = 1, replicas: int = 2, layers: int = TINY_LAYERS) -> dict[str, Any]:
+    """Control-plane baseline: the work of a ``replicas``-device gsync step done by hand in one plain thread.
 
-    Two replicas of the tiny model, forward/backward each on its half, gradients
-    averaged by hand (foreach ops), both optimizers stepped, both losses read.
+    ``replicas`` replicas of the tiny model (``layers`` x Linear(8, 8)), forward/backward each on its
+    shard, gradients averaged by hand (foreach ops), every optimizer stepped, every loss read.
     """
-    model = make_tiny()
-    replicas = [copy.deepcopy(model), copy.deepcopy(model)]
-    optimizers = [sgd(r.parameters()) for r in replicas]
+    model = make_tiny(layers)
+    copies = [copy.deepcopy(model) for _ in range(replicas)]
+    optimizers = [sgd(r.parameters()) for r in copies]
     batches = make_tiny_batches(warmup + steps)
-    params = [list(r.parameters()) for r in replicas]
+    params = [list(r.parameters()) for r in copies]
     per_step: list[float] = []
     window = Window()
     for _ in range(repeats):
@@ -240,20 +249,21 @@ def sequential_pair(steps: int, warmup: int, repeats: int = 1) -> dict[str, Any]
         for i, batch in enumerate(batches):
             if i == warmup:
                 start = time.perf_counter()
-            for index, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
+            for index, (replica, optimizer) in enumerate(zip(copies, optimizers)):
                 optimizer.zero_grad()
-                loss = tiny_loss(replica, shard(batch, 2, index))
+                loss = tiny_loss(replica, shard(batch, replicas, index))
                 loss.backward()
                 loss.item()
-            grads0 = [p.grad for p in params[0]]
-            grads1 = [p.grad for p in params[1]]
-            torch._foreach_add_(grads0, grads1)
-            torch._foreach_mul_(grads0, 0.5)
-            torch._foreach_copy_(grads1, grads0)
+            grads = [[p.grad for p in ps] for ps in params]
+            for other in grads[1:]:
+                torch._foreach_add_(grads[0], other)
+            torch._foreach_mul_(grads[0], 1.0 / replicas)
+            for other in grads[1:]:
+                torch._foreach_copy_(other, grads[0])
             for optimizer in optimizers:
                 optimizer.step()
         per_step.append((time.perf_counter() - start) / steps)
     win = window.stop()
     per_step.sort()
     return {"window": win, "us_per_step": per_step[len(per_step) // 2] * 1e6, "all_us_per_step": [s * 1e6 for s in per_step],
-            "params": len(params[0])}
+            "params": len(params[0]), "replicas": replicas}

@@ -13,7 +13,8 @@ one prints a FAILED line and the next part still runs:
   bandwidth   >= 2 GPUs: NcclCollective vs bare torch.cuda.nccl.all_reduce; on one GPU: host cost per bucket
 
 Every result is also printed as a ``RESULT`` line and repeated in the summary at the end.
-The repository root is put on PYTHONPATH, so gsync need not be installed; it needs
+The repository root is put on PYTHONPATH, so gsync need not be installed (the plain loop
+is the tests' own, ``tests/plain_loop.py``); it needs
 msgspec and anyio (and pytest-asyncio for the test config), which the script checks first.
 """
 
@@ -234,6 +235,7 @@ def part_exactness() -> None:
     import torch
 
     import gsync
+    from tests.plain_loop import train_steps
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -245,14 +247,8 @@ def part_exactness() -> None:
     def plain_reference() -> tuple[dict[str, Any], list[float]]:
         if not cached:
             reference = copy.deepcopy(initial).to("cuda:0")
-            optimizer = _sgd(list(reference.parameters()))
-            losses = []
-            for x, y in batches:
-                optimizer.zero_grad(set_to_none=True)
-                loss = _ce_loss(reference, (x.to("cuda:0"), y.to("cuda:0")))
-                loss.backward()
-                optimizer.step()
-                losses.append(loss.item())
+            on_gpu = [(x.to("cuda:0"), y.to("cuda:0")) for x, y in batches]
+            losses = train_steps(reference, _sgd(list(reference.parameters())), on_gpu, _ce_loss)
             cached.append(({name: p.detach().cpu() for name, p in reference.named_parameters()}, losses))
         return cached[0]
 
@@ -299,6 +295,7 @@ def part_steptime() -> None:
     from torch import nn
 
     import gsync
+    from tests.plain_loop import train_steps
 
     warmup, steps = 10, 50
 
@@ -324,23 +321,20 @@ def part_steptime() -> None:
 
         def plain(sync_every_step: bool) -> float:
             replica = copy.deepcopy(model).to(device)
-            opt = optimizer(list(replica.parameters()))
             data = _Timed(batches)
-            begin = time.perf_counter()
-            for index, batch in enumerate(data):
+            begin = [time.perf_counter()]
+
+            def before_step(index: int) -> None:
                 if index == warmup:
                     torch.cuda.synchronize()
-                    begin = time.perf_counter()
-                opt.zero_grad(set_to_none=True)
-                loss = loss_fn(replica, batch)
-                loss.backward()
-                opt.step()
-                if sync_every_step:
-                    loss.item()
+                    begin[0] = time.perf_counter()
+
+            train_steps(replica, optimizer(list(replica.parameters())), data, loss_fn, read_loss=sync_every_step,
+                        before_step=before_step)
             torch.cuda.synchronize()
             end = time.perf_counter()
-            del replica, opt
-            return data.median_step(warmup) if sync_every_step else (end - begin) / (len(batches) - warmup)
+            del replica
+            return data.median_step(warmup) if sync_every_step else (end - begin[0]) / (len(batches) - warmup)
 
         def with_gsync() -> float:
             data = _Timed(batches)

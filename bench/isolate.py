@@ -1,8 +1,10 @@
 """Running measurements in fresh processes, with timeouts and no process left behind.
 
 Every worker starts in its own session (process group), so on timeout, error or
-Ctrl-C the whole group (including anything it spawned) is killed. ``free_port``
-binds port 0 to find a free TCP port for DDP's rendezvous.
+Ctrl-C the whole group (including anything it spawned) is killed. Rank processes
+(DDP, gsync across processes) are started by the tests' multi-process harness
+(``tests/multiproc/harness.py``: torchrun's environment, a free port, no child left
+behind), so the benchmarks and the tests start ranks one way.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import atexit
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
+
+from bench import worker
+from tests.multiproc.harness import RanksTimedOut
+from tests.multiproc.harness import run_ranks as harness_run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIVE: set[int] = set()
@@ -34,12 +39,6 @@ def _kill_group(pid: int) -> None:
 def _kill_all() -> None:
     for pid in list(_LIVE):
         _kill_group(pid)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class TaskFailed(RuntimeError):
@@ -111,19 +110,21 @@ def run_task(task: str, kwargs: dict[str, Any], timeout: float, env: dict[str, s
     return run_group([(task, kwargs)], timeout, env)[0]
 
 
-def run_ddp(world_size: int, steps: int, warmup: int, threads: int, timeout: float,
-            env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """torch DDP over gloo: ``world_size`` rank processes on a free local port (one retry
-    if the port was taken between finding and binding it)."""
+def run_ranks(task: str, world_size: int, kwargs: dict[str, Any], timeout: float,
+              env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """``world_size`` rank processes of ``task`` (called with ``rank``, ``world_size``, ``port`` and ``kwargs``),
+    started by the tests' harness on a free local port (one retry if the port was taken between finding and
+    binding it). Each rank's process gets ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise."""
+    child_env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     for attempt in range(2):
-        port = free_port()
-        tasks = [
-            ("ddp_rank", {"rank": r, "world_size": world_size, "port": port, "steps": steps, "warmup": warmup, "threads": threads})
-            for r in range(world_size)
-        ]
         try:
-            return run_group(tasks, timeout, env)
-        except TaskFailed as error:
-            if attempt == 1 or "address already in use" not in str(error).lower():
-                raise
+            results = harness_run_ranks(worker.run_rank, world_size, args=(task, kwargs), timeout=timeout, env=child_env)
+        except RanksTimedOut as error:
+            raise TaskFailed(f"{task}: {error}"[-3000:]) from None
+        failed = [r for r in results if not r.ok]
+        if not failed:
+            return [r.value for r in results]
+        details = "\n".join(r.describe() for r in failed)
+        if attempt == 1 or "address already in use" not in details.lower():
+            raise TaskFailed(f"{task} failed:\n{details[-3000:]}")
     raise AssertionError("unreachable")

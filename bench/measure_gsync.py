@@ -1,8 +1,10 @@
 """gsync measurements: reference step time (with trace analysis), control-plane cost,
-and the torch-threads experiment. Each function runs in a fresh worker process."""
+the torch-threads experiment, and one rank of gsync across processes. Each function runs
+in a fresh worker process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import tempfile
@@ -15,8 +17,17 @@ import torch
 import gsync
 
 from .analysis import summarize_trace
-from .common import Window, minor_faults, os_threads, summarize_ms
-from .workloads import loss_fn, make_batches, make_mlp, make_tiny, make_tiny_batches, sgd, tiny_loss
+from .common import Window, median, minor_faults, os_threads, summarize_ms
+from .workloads import (
+    TINY_LAYERS,
+    loss_fn,
+    make_batches,
+    make_mlp,
+    make_tiny,
+    make_tiny_batches,
+    sgd,
+    tiny_loss,
+)
 
 
 def _devices(count: int) -> list[str]:
@@ -157,58 +168,131 @@ async def gsync_steps(
     }
 
 
+class _LoopCounter:
+    """Counts, on the running asyncio loop, callbacks scheduled from other threads
+    (``call_soon_threadsafe``: gsync's threads reporting back), loop iterations (selector
+    polls) and wake-ups (polls that could block: the loop slept until a thread or a timer
+    woke it). Instrumentation of this worker process only: it wraps the loop's
+    ``call_soon_threadsafe`` and its selector's ``select`` (CPython's selector event loop),
+    so it must be installed before the session that should use it binds the loop."""
+
+    def __init__(self) -> None:
+        self.posts = self.polls = self.wakeups = 0
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted_call_soon_threadsafe(*args: Any, **kwargs: Any) -> Any:
+            self.posts += 1  # from several threads: may undercount by a hair (no lock, as intended: no new contention)
+            return call_soon_threadsafe(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counted_call_soon_threadsafe  # type: ignore[method-assign]
+        selector = getattr(loop, "_selector", None)
+        if selector is not None:
+            select = selector.select
+
+            def counted_select(timeout: float | None = None) -> Any:
+                self.polls += 1
+                if timeout is None or timeout > 0:
+                    self.wakeups += 1
+                return select(timeout)
+
+            selector.select = counted_select
+
+    def read(self) -> tuple[int, int, int]:
+        return self.posts, self.polls, self.wakeups
+
+
 async def gsync_control_plane(
     short_steps: int,
     long_steps: int,
     repeats: int = 3,
     per_param_buckets: bool = False,
     devices: int = 2,
+    layers: int = TINY_LAYERS,
+    bucket_mb: float | None = None,
 ) -> dict[str, Any]:
-    """Time per step of gsync on the tiny 200-tensor model, without trace.
+    """Time per step of gsync on the tiny model (``layers`` x Linear(8, 8)), without trace.
 
-    Per-step time = (wall(long fit) - wall(short fit)) / (long - short), so the fixed cost of
-    a fit (replicas, threads, teardown) cancels; the median over ``repeats`` pairs is kept.
-    ``per_param_buckets`` gives every parameter its own bucket (200 buckets: the worst case
-    for per-message costs).
+    Per-step figures = (long fit - short fit) / (long - short), so the fixed cost of a fit
+    (replicas, threads, teardown) cancels; the median over ``repeats`` pairs is kept. Taken
+    so: wall time; the event-loop thread's CPU time (this coroutine runs on that thread);
+    thread posts, loop iterations and loop wake-ups (:class:`_LoopCounter`).
+    ``per_param_buckets`` gives every parameter its own bucket (the worst case for
+    per-message costs); ``bucket_mb`` sets both bucket caps (a large value: one bucket).
     """
-    model = make_tiny()
-    cap = 1e-9 if per_param_buckets else 25.0
-    first = 1e-9 if per_param_buckets else 1.0
+    counter = _LoopCounter()
+    model = make_tiny(layers)
+    cap, first = (25.0, 1.0) if bucket_mb is None else (bucket_mb, bucket_mb)
+    if per_param_buckets:
+        cap = first = 1e-9
     engine = gsync.Engine(_devices(devices), bucket_cap_mb=cap, first_bucket_mb=first)
     await engine.fit(model, make_tiny_batches(20), optimizer=sgd, loss_fn=tiny_loss)  # warm-up
     short_data, long_data = make_tiny_batches(short_steps), make_tiny_batches(long_steps)
-    per_step: list[float] = []
-    loop_cpu: list[float] = []
+    per_step: dict[str, list[float]] = {"wall": [], "loop_cpu": [], "posts": [], "polls": [], "wakeups": []}
     fixed: list[float] = []
     stats = None
     window = Window()
+    extra_steps = long_steps - short_steps
+
+    def sample() -> tuple[float, ...]:
+        return (time.perf_counter(), time.thread_time(), *counter.read())
+
     for _ in range(repeats):
-        # Wall time and the event-loop thread's own CPU time (this thread runs the loop).
-        t0, c0 = time.perf_counter(), time.thread_time()
+        s0 = sample()
         await engine.fit(model, short_data, optimizer=sgd, loss_fn=tiny_loss)
-        t1, c1 = time.perf_counter(), time.thread_time()
+        s1 = sample()
         result = await engine.fit(model, long_data, optimizer=sgd, loss_fn=tiny_loss)
-        t2, c2 = time.perf_counter(), time.thread_time()
-        per_step.append(((t2 - t1) - (t1 - t0)) / (long_steps - short_steps))
-        loop_cpu.append(((c2 - c1) - (c1 - c0)) / (long_steps - short_steps))
-        fixed.append((t1 - t0) - short_steps * per_step[-1])
+        s2 = sample()
+        for key, a, b, c in zip(per_step, s0, s1, s2):
+            per_step[key].append(((c - b) - (b - a)) / extra_steps)
+        fixed.append((s1[0] - s0[0]) - short_steps * per_step["wall"][-1])
         stats = result.stats
     win = window.stop()
     assert stats is not None
-    per_step.sort()
-    loop_cpu.sort()
-    fixed.sort()
+    mid = {key: median(values) for key, values in per_step.items()}
     return {
         "window": win,
-        "us_per_step": per_step[len(per_step) // 2] * 1e6,
-        "all_us_per_step": [s * 1e6 for s in per_step],
-        "loop_cpu_us_per_step": loop_cpu[len(loop_cpu) // 2] * 1e6,
-        "fixed_ms_per_fit": fixed[len(fixed) // 2] * 1e3,
+        "us_per_step": mid["wall"] * 1e6,
+        "all_us_per_step": [s * 1e6 for s in per_step["wall"]],
+        "loop_cpu_us_per_step": mid["loop_cpu"] * 1e6,
+        "thread_posts_per_step": mid["posts"],
+        "loop_iterations_per_step": mid["polls"],
+        "loop_wakeups_per_step": mid["wakeups"],
+        "fixed_ms_per_fit": median(fixed) * 1e3,
         "buckets": stats.buckets,
         "devices": devices,
         "messages_per_step": stats.bucket_ready_messages / stats.steps,
         "params": sum(1 for _ in model.parameters()),
     }
+
+
+def gsync_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, threads: int = 1,
+               compression: str | None = None) -> dict[str, Any]:
+    """One rank of gsync over torch.distributed (gloo), one CPU device per process; every rank
+    reads the same global batches. Step time: the period between optimizer ends in the trace.
+
+    ``compression``: ``Engine(compression=...)``, e.g. ``"bf16"``.
+    """
+    torch.set_num_threads(threads)
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size)}
+    )
+
+    async def fits() -> tuple[list[float], dict[str, Any], int]:
+        model = make_mlp()
+        await gsync.Engine(["cpu"], compression=compression).fit(model, make_batches(warmup), optimizer=sgd, loss_fn=loss_fn)
+        window = Window()
+        result = await gsync.Engine(["cpu"], trace=True, compression=compression).fit(
+            model, make_batches(steps), optimizer=sgd, loss_fn=loss_fn
+        )
+        win = window.stop()
+        assert result.trace is not None
+        ends = sorted(e.end_us for e in result.trace.select("optimizer"))
+        return [(b - a) / 1e3 for a, b in zip(ends[1:], ends[2:])], win, result.stats.reduced_bytes
+
+    periods, win, reduced_bytes = asyncio.run(fits())
+    return {"rank": rank, "step_ms": median(periods), "step": summarize_ms([p / 1e3 for p in periods]),
+            "window": win, "reduced_bytes_per_step": reduced_bytes / steps}
 
 
 def idle() -> dict[str, Any]:

@@ -147,6 +147,54 @@ def print_control(control: dict[str, Any]) -> None:
           "   threads need, so it adds to the step time almost one for one)")
 
 
+CONTROL8_TARGETS = {"gsync8 / sequential (one bucket)": 1.5, "loop CPU us per BucketReady": 20.0}
+
+
+def control8_ratios(control8: dict[str, Any]) -> dict[str, float]:
+    """gsync / sequential for each bucket layout, and the loop CPU, wall time and wake-ups per extra message."""
+    seq, one, per = control8.get("sequential"), control8.get("one_bucket"), control8.get("per_tensor")
+    ratios: dict[str, float] = {}
+    for name, r in (("one bucket", one), ("one bucket per tensor", per)):
+        if r is not None and seq is not None:
+            ratios[f"gsync8 / sequential ({name})"] = r["us_per_step"] / seq["us_per_step"]
+    if one is not None and per is not None and per["messages_per_step"] > one["messages_per_step"]:
+        extra = per["messages_per_step"] - one["messages_per_step"]
+        ratios["loop CPU us per BucketReady"] = (per["loop_cpu_us_per_step"] - one["loop_cpu_us_per_step"]) / extra
+        ratios["wall us per BucketReady"] = (per["us_per_step"] - one["us_per_step"]) / extra
+        ratios["loop wake-ups per extra BucketReady"] = (per["loop_wakeups_per_step"] - one["loop_wakeups_per_step"]) / extra
+        ratios["loop wake-ups per extra bucket"] = (
+            (per["loop_wakeups_per_step"] - one["loop_wakeups_per_step"]) / (per["buckets"] - one["buckets"])
+        )
+    return ratios
+
+
+def print_control8(control8: dict[str, Any]) -> None:
+    seq = control8.get("sequential")
+    rows = [(name, control8.get(key)) for key, name in (("one_bucket", "one bucket"), ("per_tensor", "one bucket per tensor"))]
+    params = next((r["params"] for _, r in rows if r is not None), None)
+    print(f"\n== 2b. control plane at 8 devices: {_fmt(params, 'd')} parameter tensors (Linear(8,8)), batch 16 ==")
+    if seq is not None:
+        print(f"  8 replicas sequentially in one plain thread (fwd/bwd each, grads averaged by hand, 8 optimizer steps): "
+              f"{seq['us_per_step'] / 1e3:.2f} ms/step{noisy_mark(seq)} (other load {_fmt(seq.get('other_load_cores'), '.2f')})")
+    print(f"  {'gsync 8 x cpu':24} {'ms/step':>8} {'vs seq':>6} {'loop CPU ms':>11} {'buckets':>7} {'BucketReady':>11} "
+          f"{'thread posts':>12} {'loop iters':>10} {'wake-ups':>8} {'other load':>10}")
+    for name, r in rows:
+        if r is None:
+            continue
+        ratio = r["us_per_step"] / seq["us_per_step"] if seq is not None else None
+        print(f"  {name:24} {r['us_per_step'] / 1e3:7.2f}{noisy_mark(r)} {_fmt(ratio, '.2f'):>6} "
+              f"{r['loop_cpu_us_per_step'] / 1e3:11.2f} {r['buckets']:7d} {r['messages_per_step']:11.0f} "
+              f"{r['thread_posts_per_step']:12.0f} {r['loop_iterations_per_step']:10.0f} {r['loop_wakeups_per_step']:8.0f} "
+              f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
+    for name, value in control8.get("ratios", {}).items():
+        target = CONTROL8_TARGETS.get(name)
+        verdict = "" if target is None else f"   (target <= {target:g}: {'met' if value <= target else 'MISSED'})"
+        print(f"  {name:40} {value:8.2f}{verdict}")
+    print("  (per step, from a long fit minus a short one. loop CPU: the event-loop thread's CPU time; thread posts:\n"
+          "   callbacks gsync's threads scheduled on the loop; loop iters: selector polls; wake-ups: polls that could\n"
+          "   block, i.e. the loop slept and a thread or timer woke it. Target: wake-ups O(buckets), not O(devices x buckets))")
+
+
 def print_sweeps(sweeps: dict[str, Any]) -> None:
     print("\n== 4a. gsync step time vs bucket_cap_mb (2 devices, reference MLP) ==")
     print(f"  {'cap MiB':>7} {'buckets':>7} {'ms/step':>8} {'all_reduce us/step':>18} {'hidden':>6} "
@@ -241,6 +289,24 @@ def print_ablation(ablation: dict[str, Any]) -> None:
               f"{_fmt(a.get('faults_per_step'), '.0f'):>11} {_fmt(a['other_load_cores'], '.2f'):>10}")
     print("  (the difference between the first two rows is what gsync pays for keeping .grad as bucket views that\n"
           "   are zeroed every step and accumulated into, before any reduction)")
+
+
+def print_compression(compression: dict[str, Any]) -> None:
+    print("\n== gsync and DDP across 2 processes x 1 torch thread (gloo), reference MLP, batch 256 ==")
+    print(f"  {'configuration':42} {'ms/step':>8} {'repeats (ms)':>17} {'vs uncompressed':>15} {'vs DDP':>7} "
+          f"{'MiB reduced/step':>16} {'other load':>10}")
+    for key, c in compression.items():
+        engine = key.split("_")[0]
+        plain = compression.get(engine, {}).get("median_ms")
+        ddp = compression.get(key.replace("gsync", "ddp"), {}).get("median_ms") if engine == "gsync" else None
+        nbytes = c.get("reduced_bytes_per_step")
+        repeats = " ".join(f"{m:.1f}" for m in c["repeat_medians_ms"])
+        print(f"  {c['label']:42} {c['median_ms']:7.1f}{noisy_mark(c)} {repeats:>17} "
+              f"{_fmt(c['median_ms'] / plain if plain and key != engine else None, '.3f'):>15} "
+              f"{_fmt(c['median_ms'] / ddp if ddp else None, '.3f'):>7} "
+              f"{_fmt(nbytes / 2**20 if nbytes else None, '.1f'):>16} {_fmt(c['other_load_cores'], '.2f'):>10}")
+    print("  (MiB reduced/step: bytes per rank handed to the group's all-reduce, gsync's FitStats.reduced_bytes;\n"
+          "   DDP's hook casts the same buckets the same way)")
 
 
 def plot(sweeps: dict[str, Any], path: str, step: dict[str, Any] | None = None) -> None:

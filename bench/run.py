@@ -1,8 +1,8 @@
 """gsync benchmark suite: one command, printed tables, JSON (and a PNG if matplotlib is there).
 
-    python bench/run.py --quick              # ~1.5 min on 2 cores
-    python bench/run.py                      # full: 3 interleaved repeats, ~5 min on 2 cores
-    python bench/run.py --only step          # issue-2 step-time comparison only (= bench/step_time.py)
+    python bench/run.py --quick              # ~2 min on 2 cores (python -m bench.run works the same)
+    python bench/run.py                      # full: 3 interleaved repeats, ~6 min on 2 cores
+    python bench/run.py --only step          # step time: gsync vs one process vs the floor vs DDP
     python bench/run.py --only control,memory --out /tmp/x.json
 
 Sections (``--only`` takes a comma-separated subset; default all):
@@ -14,12 +14,18 @@ Sections (``--only`` takes a comma-separated subset; default all):
 - ``memory``: peak RSS per configuration (each measured in its own fresh process)
 - ``control``: control-plane cost on 200 tiny parameter tensors (gsync minus the same work
   sequentially in one thread), messages per step
+- ``control8``: 8 virtual CPU devices on 100 tiny parameter tensors, one bucket and one bucket per
+  tensor, against the 8 replicas' work done sequentially in one thread: ms/step, ratio, event-loop
+  CPU, BucketReady messages, thread posts and loop wake-ups per step, loop CPU per message
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
 - ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it
 - ``checkpoint`` (full mode, or on request): gsync's step time with ``fit(checkpoint_dir=...)`` writing
   every step and every 50 steps, against none (100 measured steps each)
 - ``ablation`` (full mode, or on request): the 2-replica floor holding gradients the way gsync
   does (persistent bucket views, zeroed and accumulated) vs plain PyTorch vs DDP-style copies
+- ``compression`` (full mode, or on request): 2 processes (gloo, 1 thread each), gsync with and without
+  ``Engine(compression="bf16")`` beside torch DDP with and without ``bf16_compress_hook``
+- ``multiprocess`` (on request): the same without compression: gsync across 2 processes vs DDP
 
 Every configuration runs in a fresh process with a timeout; benchmarks never assert timings.
 """
@@ -44,10 +50,12 @@ if __package__ in (None, ""):  # python bench/run.py
 
 from bench import report  # noqa: E402
 from bench.common import NOISY_CORES, median, other_load, system_busy_s  # noqa: E402
-from bench.isolate import ROOT, TaskFailed, run_ddp, run_task  # noqa: E402
+from bench.isolate import ROOT, TaskFailed, run_ranks, run_task  # noqa: E402
 
-SECTIONS = ("step", "memory", "control", "sweeps", "threads", "checkpoint", "ablation")
-QUICK_DEFAULT = ("step", "memory", "control", "sweeps", "threads")  # ablation only on request in --quick
+SECTIONS = ("step", "memory", "control", "control8", "sweeps", "threads", "checkpoint", "ablation", "compression",
+            "multiprocess")
+QUICK_DEFAULT = ("step", "memory", "control", "control8", "sweeps", "threads")  # the rest only on request in --quick
+FULL_DEFAULT = SECTIONS[:-1]  # multiprocess is a subset of compression
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,8 @@ class Plan:
     control_repeats: int
     per_param_short: int
     per_param_long: int
+    control8_short: int
+    control8_long: int
     sequential_steps: int
     timeout: float
     retries: int  # reruns of one noisy measurement
@@ -71,10 +81,10 @@ class Plan:
 
 
 QUICK = Plan(repeats=1, steps=10, warmup=3, sweep_steps=6, sweep_warmup=2, control_short=30, control_long=150,
-             control_repeats=2, per_param_short=8, per_param_long=32, sequential_steps=100, timeout=120,
+             control_repeats=2, per_param_short=8, per_param_long=32, control8_short=10, control8_long=40, sequential_steps=100, timeout=120,
              retries=1, retry_budget=3, quiet_wait_budget_s=20, patience_until_s=80)
 FULL = Plan(repeats=3, steps=30, warmup=5, sweep_steps=20, sweep_warmup=3, control_short=100, control_long=600,
-            control_repeats=3, per_param_short=20, per_param_long=100, sequential_steps=600, timeout=300,
+            control_repeats=3, per_param_short=20, per_param_long=100, control8_short=40, control8_long=200, sequential_steps=600, timeout=300,
             retries=2, retry_budget=12, quiet_wait_budget_s=90, patience_until_s=330)
 
 # Step-section configurations: (key, label, how to run it).
@@ -161,14 +171,19 @@ class Runner:
         return self.measure(label, run)
 
     def ddp(self, label: str, steps: int, warmup: int) -> dict[str, Any] | None:
+        return self.ranks(label, "ddp_rank", steps=steps, warmup=warmup, threads=1)
+
+    def ranks(self, label: str, task: str, **kwargs: Any) -> dict[str, Any] | None:
+        """2 rank processes of ``task`` (``ddp_rank``, ``gsync_rank``); the slowest rank's step times."""
+
         def run() -> dict[str, Any]:
-            ranks = run_ddp(2, steps, warmup, threads=1, timeout=self.plan.timeout, env=self.env)
+            ranks = run_ranks(task, 2, kwargs, timeout=self.plan.timeout, env=self.env)
             slowest = max(ranks, key=lambda r: r["step"]["median_ms"])
             return {
                 "step": slowest["step"],
                 "ranks": ranks,
-                "cpu_ms_per_step": sum(r["cpu_ms_per_step"] for r in ranks),
-                "faults_per_step": sum(r["faults_per_step"] for r in ranks),
+                "cpu_ms_per_step": sum(r.get("cpu_ms_per_step", float("nan")) for r in ranks),
+                "faults_per_step": sum(r.get("faults_per_step", float("nan")) for r in ranks),
                 "peak_rss_mib": sum(r["peak_rss_mib"] for r in ranks),
                 "other_load_cores": other_load([r["window"] for r in ranks]),
             }
@@ -245,7 +260,7 @@ def section_memory(runner: Runner, step: dict[str, Any] | None) -> dict[str, Any
 def section_control(runner: Runner) -> dict[str, Any]:
     plan = runner.plan
     sequential = runner.task(
-        "control: 2 replicas sequentially in one thread", "sequential_pair",
+        "control: 2 replicas sequentially in one thread", "sequential",
         steps=plan.sequential_steps, warmup=20, repeats=3,
     )
     threads = runner.task(
@@ -263,6 +278,33 @@ def section_control(runner: Runner) -> dict[str, Any]:
     )
     return {"sequential": sequential, "threads_no_sync": threads, "gsync_default_buckets": default,
             "gsync_per_param_buckets": per_param}
+
+
+CONTROL8_DEVICES = 8
+CONTROL8_LAYERS = 50  # x Linear(8, 8): 100 parameter tensors
+
+
+def section_control8(runner: Runner) -> dict[str, Any]:
+    """gsync on 8 virtual CPU devices, the tiny model of 100 tensors, one bucket and one bucket per tensor,
+    against the same 8 replicas' work done sequentially in one plain thread."""
+    plan = runner.plan
+    common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control_repeats}
+    out = {
+        "sequential": runner.task(
+            f"control8: {CONTROL8_DEVICES} replicas sequentially in one thread", "sequential",
+            steps=plan.control8_long, warmup=10, repeats=3, replicas=CONTROL8_DEVICES, layers=CONTROL8_LAYERS,
+        ),
+        "one_bucket": runner.task(
+            f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket", "gsync_control_plane",
+            short_steps=plan.control8_short, long_steps=plan.control8_long, bucket_mb=1024.0, **common,
+        ),
+        "per_tensor": runner.task(
+            f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket per tensor", "gsync_control_plane",
+            short_steps=plan.per_param_short, long_steps=plan.per_param_long, per_param_buckets=True, **common,
+        ),
+    }
+    out["ratios"] = report.control8_ratios(out)
+    return out
 
 
 def _representative(step: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
@@ -379,6 +421,45 @@ def section_ablation(runner: Runner) -> dict[str, Any]:
     return out
 
 
+COMPRESSION = (
+    ("gsync", "gsync, 2 processes", "gsync_rank", {}),
+    ("gsync_bf16", "gsync, 2 processes, compression='bf16'", "gsync_rank", {"compression": "bf16"}),
+    ("ddp", "DDP, 2 processes", "ddp_rank", {}),
+    ("ddp_bf16", "DDP, 2 processes, bf16_compress_hook", "ddp_rank", {"comm_hook": "bf16"}),
+)
+
+
+def section_compression(runner: Runner, configs: tuple[tuple[str, str, str, dict[str, Any]], ...] = COMPRESSION,
+                        name: str = "compression") -> dict[str, Any]:
+    """Interleaved repeats of gsync and DDP across 2 processes, each with and without bf16 compression
+    (``configs``: a subset of ``COMPRESSION``)."""
+    plan = runner.plan
+    runs: dict[str, list[dict[str, Any]]] = {key: [] for key, *_ in configs}
+    n = len(configs)
+    for r in range(plan.repeats):
+        for key, label, task, kwargs in configs[r % n :] + configs[: r % n]:
+            result = runner.ranks(f"{name}: {label} [{r + 1}/{plan.repeats}]", task, steps=plan.steps,
+                                  warmup=plan.warmup, threads=1, **kwargs)
+            if result is not None:
+                runs[key].append(result)
+                runner.log(f"  -> {result['step']['median_ms']:.1f} ms/step")
+    out: dict[str, Any] = {}
+    for key, label, _, _ in configs:
+        if runs[key]:
+            clean = [run for run in runs[key] if (run["other_load_cores"] or 0.0) <= NOISY_CORES]
+            use = clean or runs[key]
+            out[key] = {
+                "label": label,
+                "median_ms": median([run["step"]["median_ms"] for run in use]),
+                "repeat_medians_ms": [run["step"]["median_ms"] for run in runs[key]],
+                "other_load_cores": median([run["other_load_cores"] or 0.0 for run in use]),
+                "noisy": not clean,
+                "reduced_bytes_per_step": runs[key][0]["ranks"][0].get("reduced_bytes_per_step"),
+                "runs": runs[key],
+            }
+    return out
+
+
 def environment() -> dict[str, Any]:
     def git(*args: str) -> str:
         try:
@@ -412,9 +493,9 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps and one repeat (~1.5 min on 2 cores)")
-    parser.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)} (default: all; "
-                                         "--quick leaves out ablation)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and one repeat (~2 min on 2 cores)")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but "
+                                         f"multiprocess; --quick: {','.join(QUICK_DEFAULT)})")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "latest.json"),
                         help="JSON output path; the PNG goes next to it (default bench/results/latest.json)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats of the step section")
@@ -429,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
 
-    only = args.only or ",".join(QUICK_DEFAULT if args.quick else SECTIONS)
+    only = args.only or ",".join(QUICK_DEFAULT if args.quick else FULL_DEFAULT)
     sections = [s.strip() for s in only.split(",") if s.strip()]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -459,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
     if "control" in sections:
         results["control"] = section_control(runner)
         report.print_control(results["control"])
+    if "control8" in sections:
+        results["control8"] = section_control8(runner)
+        report.print_control8(results["control8"])
     if "sweeps" in sections:
         caps = [float(c) for c in args.bucket_caps.split(",")]
         counts = [int(c) for c in args.device_counts.split(",")]
@@ -475,6 +559,14 @@ def main(argv: list[str] | None = None) -> int:
     if "ablation" in sections:
         results["ablation"] = section_ablation(runner)
         report.print_ablation(results["ablation"])
+
+    if "compression" in sections:
+        results["compression"] = section_compression(runner)
+        report.print_compression(results["compression"])
+    if "multiprocess" in sections and "compression" not in sections:
+        results["multiprocess"] = section_compression(
+            runner, tuple(c for c in COMPRESSION if c[0] in ("gsync", "ddp")), "multiprocess")
+        report.print_compression(results["multiprocess"])
 
     results["env"]["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     results["elapsed_s"] = time.perf_counter() - runner.started

@@ -4,7 +4,9 @@
 
 Runs ``TASK(**kwargs)`` (a coroutine function is run with asyncio), adds the
 process's peak RSS, and writes the result as JSON to RESULT_PATH. Started by
-``isolate.py``; never imports anything heavy before it is told what to run.
+``isolate.py`` from the repository root; never imports anything heavy before it is
+told what to run. :func:`run_rank` is the same for one rank of a multi-process
+measurement, started by the tests' harness (``tests/multiproc/harness.py``).
 """
 
 from __future__ import annotations
@@ -19,31 +21,27 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-if __package__ in (None, ""):  # python bench/worker.py
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    __package__ = "bench"
-
-from bench.common import peak_rss_mib, quiet_warnings  # noqa: E402
+from bench.common import peak_rss_mib, quiet_warnings
 
 
 def _tasks() -> dict[str, Callable[..., Any]]:
-    from bench import baselines, measure_gsync, multiprocess
+    from bench import baselines, measure_gsync
 
     return {
         "plain": baselines.plain,
         "floor": baselines.floor,
         "ddp_rank": baselines.ddp_rank,
-        "gsync_rank": multiprocess.gsync_rank,
-        "sequential_pair": baselines.sequential_pair,
+        "gsync_rank": measure_gsync.gsync_rank,
+        "sequential": baselines.sequential,
         "gsync": measure_gsync.gsync_steps,
         "gsync_control_plane": measure_gsync.gsync_control_plane,
         "idle": measure_gsync.idle,
     }
 
 
-def main(argv: list[str]) -> int:
+def run(task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``TASK(**kwargs)`` with ``ok`` (or ``error``), peak RSS and the process's age added."""
     quiet_warnings()
-    task, kwargs, result_path = argv[0], json.loads(argv[1]), argv[2]
     started = time.perf_counter()
     try:
         fn = _tasks()[task]
@@ -55,6 +53,24 @@ def main(argv: list[str]) -> int:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
     result["peak_rss_mib"] = peak_rss_mib()
     result["process_s"] = time.perf_counter() - started
+    return result
+
+
+def run_rank(task: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One rank: ``TASK(rank=RANK, world_size=WORLD_SIZE, port=MASTER_PORT, **kwargs)`` from torchrun's
+    variables, which the harness sets. Raises if the task did, so the harness stops the other ranks at once.
+    """
+    env = os.environ
+    ranked = {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]), "port": int(env["MASTER_PORT"]), **kwargs}
+    result = run(task, ranked)
+    if not result["ok"]:
+        raise RuntimeError(f"{task} failed on rank {ranked['rank']}: {result['error']}")
+    return result
+
+
+def main(argv: list[str]) -> int:
+    task, kwargs, result_path = argv[0], json.loads(argv[1]), argv[2]
+    result = run(task, kwargs)
     tmp = result_path + ".tmp"
     with open(tmp, "w") as handle:
         json.dump(result, handle)

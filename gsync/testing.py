@@ -16,6 +16,9 @@ Sites are the phases of a step: ``"data"`` (moving the shard to the device),
 ``"evaluate"`` (a device's part of ``session.evaluate``; its step is the
 last step the device trained, -1 before the first), and ``"all_reduce"`` (the communication thread, before a bucket's reduction;
 ``device`` is ignored there). Each fault fires once, at its first match.
+
+Under pytest, gsync's plugin (``gsync_pytest``) arms them for one test:
+``gsync_faults.fail(device=1, step=3, site="backward")`` on its ``gsync_engine``.
 """
 
 from __future__ import annotations

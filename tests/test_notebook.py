@@ -1,0 +1,166 @@
+"""The example notebook, executed as Jupyter executes it: nbclient driving a real IPython kernel (ipykernel)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
+KERNEL = "gsync-test-python"
+CELL_TIMEOUT_S = 30
+# The kernel sees the environment a user's would: gsync picks its progress default from these.
+NOT_IN_A_USERS_KERNEL = ("PYTEST_CURRENT_TEST", "CI", "PYTEST_ADDOPTS")
+
+
+@asynccontextmanager
+async def kernel_client(notebook: Any, tmp_path: Path) -> AsyncIterator[Any]:
+    """An nbclient client on a fresh kernel running *this* Python (so this environment's gsync), in ``tmp_path``.
+
+    The kernel spec is written to ``tmp_path``: whatever kernels the machine or the user has installed
+    (a ``python3`` spec of another interpreter) cannot be picked by mistake.
+    """
+    spec_dir = tmp_path / "kernels" / KERNEL
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "gsync test kernel",
+        "language": "python",
+        "interrupt_mode": "signal",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    manager = AsyncKernelManager(
+        kernel_name=KERNEL,
+        kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")]),
+        connection_file=str(tmp_path / "connection.json"),
+    )
+    env = {name: value for name, value in os.environ.items() if name not in NOT_IN_A_USERS_KERNEL}
+    env["IPYTHONDIR"] = str(tmp_path / "ipython")  # history and profile of this kernel only
+    client = nbclient.NotebookClient(
+        notebook,
+        km=manager,
+        timeout=CELL_TIMEOUT_S,
+        startup_timeout=30,
+        allow_errors=False,
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    # cleanup_kc: shut the kernel down and close its channels at the end, though the client did not make `manager`.
+    async with client.async_setup_kernel(env=env, cwd=str(tmp_path), cleanup_kc=True):
+        yield client
+
+
+def text_of(cell: Any, name: str) -> str:
+    return "".join(output.get("text", "") for output in cell.outputs if output.get("name") == name)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_notebook_runs_in_a_real_kernel(tmp_path: Path) -> None:
+    """Top-level ``await engine.fit(...)`` with a progress bar, a failure and a resume, and the saved trace."""
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    async with kernel_client(notebook, tmp_path) as client:
+        for index, cell in enumerate(notebook.cells):
+            await client.async_execute_cell(cell, index)  # raises CellExecutionError on any error output
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]
+    _, train, failure, trace, resume = code
+
+    # Progress: tqdm's bar reaches every step of the 3 epochs (32 batches each).
+    assert "96/96" in text_of(train, "stderr"), text_of(train, "stderr")
+    epochs = re.findall(r"^epoch (\d): mean loss ([0-9.]+)$", text_of(train, "stdout"), re.MULTILINE)
+    assert [int(epoch) for epoch, _ in epochs] == [0, 1, 2], text_of(train, "stdout")
+    losses = [float(loss) for _, loss in epochs]
+    assert losses[0] > losses[1] > losses[2], losses
+
+    printed = text_of(failure, "stdout")
+    assert "WorkerFailed on cpu:1 at step 5, during backward: InjectedFault(" in printed, printed
+    assert "last consistent step: 4" in printed, printed
+    saved = tmp_path / "gsync-trace.json"
+    assert f"failed at step 5 during backward (trace: {saved})" in printed, printed  # Engine(trace=path) wrote it
+    assert "resumed at step 5, trained 27 more steps" in text_of(resume, "stdout")
+
+    events = json.loads(saved.read_text())["traceEvents"]  # by now, the resumed fit's
+    assert {"forward", "backward", "optimizer"} <= {event["name"] for event in events}
+    counted = re.search(r"^(\d+) events in gsync-trace.json$", text_of(trace, "stdout"), re.MULTILINE)
+    assert counted is not None and int(counted.group(1)) > 0, text_of(trace, "stdout")
+
+
+SETUP = """
+import asyncio, threading
+import torch, torch.nn.functional as F
+from torch import nn
+import gsync
+from gsync_pytest import gsync_tasks, gsync_threads
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 4))
+before = [p.detach().clone() for p in model.parameters()]
+batches = [(torch.randn(64, 32), torch.randint(0, 4, (64,))) for _ in range(16)]
+engine = gsync.Engine(["cpu:0", "cpu:1"])
+recipe = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1), loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+
+
+class Running:
+    def on_step_end(self, session, result):
+        if result.step == 2:
+            print("the fit is running", flush=True)
+"""
+# Long enough that the interrupt always lands inside it (100 000 steps), and it says when it is running.
+LONG_FIT = "result = await engine.fit(model, batches, epochs=6250, callbacks=[Running()], progress=False, **recipe)"
+AFTER = """
+print("threads:", gsync_threads())
+print("tasks:", gsync_tasks())
+print("model unchanged:", all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+result = await engine.fit(model, batches, epochs=1, progress=False, **recipe)
+print("fit again:", len(result.losses), "steps")
+print("threads after:", gsync_threads())
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_interrupting_the_kernel_stops_gsync_and_the_next_cell_fits(tmp_path: Path) -> None:
+    cells = [nbformat.v4.new_code_cell(source) for source in (SETUP, LONG_FIT, AFTER)]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    setup, long_fit, after = notebook.cells
+    async with kernel_client(notebook, tmp_path) as client:
+        client.allow_errors = True  # the interrupted cell ends in an error: the test reads it
+        await client.async_execute_cell(setup, 0)
+        running = asyncio.ensure_future(client.async_execute_cell(long_fit, 1))
+        # nbclient appends the kernel's outputs to the cell as they arrive: interrupt once the fit said it runs.
+        async with asyncio.timeout(CELL_TIMEOUT_S):
+            while "the fit is running" not in text_of(long_fit, "stdout"):
+                assert not running.done(), long_fit.outputs
+                await asyncio.sleep(0.02)
+        await client.km.interrupt_kernel()
+        async with asyncio.timeout(CELL_TIMEOUT_S):
+            await running
+        client.allow_errors = False
+        await client.async_execute_cell(after, 2)
+
+    errors = [output for output in long_fit.outputs if output.output_type == "error"]
+    # What the user sees: ipykernel turns the interrupt of an awaiting cell into cancellation of the cell's task,
+    # and gsync lets the cancellation propagate, as it promises, after stopping everything it started.
+    assert [error.ename for error in errors] == ["CancelledError"], long_fit.outputs
+    assert "engine.fit(" in "\n".join(errors[0].traceback)  # raised from the user's line
+    printed = text_of(after, "stdout")
+    assert "threads: []\n" in printed, printed
+    assert "tasks: []\n" in printed, printed
+    assert "model unchanged: True\n" in printed, printed
+    assert "fit again: 16 steps\n" in printed, printed
+    assert "threads after: []\n" in printed, printed
