@@ -94,6 +94,10 @@ SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
         _expect(0, "PeerLost", "PeerFailed"),
     ),
     "rank 0 (store host) SIGKILLed": (heartbeat_scenarios.store_host_killed_at_step_2, _killed_rank_0),
+    "3 ranks, rank 2 stuck in its data": (
+        partial(heartbeat_scenarios.data_stuck_on_rank_2_of_3, _PID_FILE),
+        _all(_expect(0, "PeerLost", "PeerFailed"), _expect(1, "PeerLost", "PeerFailed")),
+    ),
     "data ends at different steps": (
         scenarios.uneven_data_lengths,
         _all(_expect(0, "ConfigError"), _expect(1, "ConfigError")),
@@ -125,6 +129,7 @@ _SLOW_TO_EXIT = (
     heartbeat_scenarios.data_stuck_on_rank_1,
     heartbeat_scenarios.loss_stuck_on_rank_1,
     heartbeat_scenarios.store_host_killed_at_step_2,
+    heartbeat_scenarios.data_stuck_on_rank_2_of_3,
 )
 
 
@@ -159,7 +164,8 @@ def main() -> None:
             for attempt in range(args.repeats):
                 # The grace the tests give: the SIGKILL scenario's survivor may take longer to exit under load.
                 grace = 20.0 if target in _SLOW_TO_EXIT else 5.0
-                results = run_ranks(target, 2, args=fn_args, timeout=80, failure_grace=grace)
+                world = 3 if target is heartbeat_scenarios.data_stuck_on_rank_2_of_3 else 2
+                results = run_ranks(target, world, args=fn_args, timeout=80, failure_grace=grace)
                 problem = check(results)
                 if problem is None:
                     clean += 1

@@ -387,10 +387,10 @@ class DeviceActor:
 
     async def _await_sync(self, step: int) -> bool:
         self.waiting = True
-        try:
-            message = await self.mailbox.receive()
-        finally:
-            self.waiting = False
+        # Left set when the wait ends in cancellation: a device whose run is
+        # ending while it waited for the sync was waiting, not stuck.
+        message = await self.mailbox.receive()
+        self.waiting = False
         match message:
             case StepSynced(step=synced_step, skip=skip) if synced_step == step:
                 if skip:

@@ -45,9 +45,10 @@ class Checkpoint:
     scaler_state: dict[str, Any] | None = None
     """``state_dict()`` of the float16 ``GradScaler`` after ``step``, when the run has one."""
     rng_state: dict[str, Any] | None = None
-    """The global random generators (torch CPU and CUDA, ``random``, NumPy) when the checkpoint was taken
-    between steps (:meth:`gsync.Session.checkpoint`, ``fit``'s checkpoint files); a resume restores them. ``None``
-    for the checkpoint of a failure, taken mid-step, when they had already moved on."""
+    """The global random generators (torch CPU and the run's CUDA devices, ``random``, NumPy) when the checkpoint
+    was taken between steps in a one-process run (:meth:`gsync.Session.checkpoint`, ``fit``'s checkpoint files); a
+    resume restores them. ``None`` for the checkpoint of a failure, taken mid-step when they had already moved on,
+    and across processes, where each rank's generators are its own and one rank writes the file."""
     data_position: tuple[int, int] | None = None
     """``(epoch, batches)``: ``fit``'s data consumed through ``step``, as that many batches of that epoch. A
     resumed ``fit`` checks its data lines up with it."""

@@ -202,7 +202,8 @@ class PeerFailed(FitError):
     name and message (the exception itself lives in the other process). A
     rank that left its session normally while this one started another step
     is reported the same way, with ``error_type`` ``"SessionClosed"`` and
-    ``step`` its last step.
+    ``step`` its last step; a rank that named lost peers (:class:`PeerLost`)
+    with ``error_type`` ``"PeerLost"`` and a message naming them.
     """
 
     def __init__(
@@ -218,6 +219,9 @@ class PeerFailed(FitError):
         if error_type == "SessionClosed":
             # Not a failure of the peer: it ended its loop while this rank went on.
             super().__init__(f"rank {rank} left its session after step {step}: {remote_message}")
+        elif error_type == "PeerLost":
+            # The peer gave up on others that stopped or got stuck; the message names them.
+            super().__init__(f"rank {rank} stopped waiting at step {step} ({site}): {remote_message}")
         else:
             if device:
                 where = f"worker on device {device} failed at step {step} during {site}"

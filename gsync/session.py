@@ -342,8 +342,13 @@ class Session:
         checkpoint = Checkpoint.capture(
             self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
         )
+        if self.world_size > 1:
+            # Each rank's generators are its own and one rank writes the file:
+            # restoring its state on every rank would not continue the run.
+            return checkpoint
         # Between steps, the generators are where the next step starts from.
-        return replace(checkpoint, rng_state=capture_rng())
+        cuda = [spec.torch_device for spec in self._engine.devices if spec.torch_device.type == "cuda"]
+        return replace(checkpoint, rng_state=capture_rng(cuda))
 
     # -- the step ----------------------------------------------------------------
 
@@ -493,17 +498,19 @@ class Session:
         timeout = self._engine.sync_timeout
         step = self._next_step - 1
         failure: GsyncError | None = None
+        # Stays set if the collective fails: this rank was waiting in it (its heartbeat says so while it blames).
         self._collective_what = what
         with anyio.move_on_after(timeout):
             try:
-                return await server.comm.run(job)
+                result = await server.comm.run(job)
             except (GsyncError, FitAborted):
                 raise
             except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
                 failure = SyncFailed(step, None, f"{what} failed")
                 failure.__cause__ = error
-            finally:
+            else:
                 self._collective_what = None
+                return result
         if failure is None:
             self._abort.set()  # the collective's thread leaves its wait
             failure = SyncTimeout(step, timeout, site=what)
@@ -638,6 +645,9 @@ class Session:
         what = self._collective_what
         if what is not None:
             return Whereabouts(last, what, waiting=True)
+        if self._failing or self._failure is not None:
+            # Ending because a step or collective failed: a victim, not the rank others wait for.
+            return Whereabouts(last, "ending after a failure", waiting=True)
         if not self._stepping:
             return Whereabouts(last, "outside gsync")
         return locate(self._actors, last)
@@ -712,6 +722,8 @@ class Session:
         runtime = self._runtime
         if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
             return
+        if runtime.store_unreachable():
+            return  # a write to a store that does not answer would only hold the teardown up
         self._reported = failure
         await self._in_setup(lambda: runtime.report(failure), None)
 

@@ -58,7 +58,9 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
     collective; other errors that name a device and step (``NonFiniteLoss``)
     report those; anything else is reported with its type and message. A
     :class:`PeerFailed` is a consequence of another rank's report: do not
-    report it again.
+    report it again; a :class:`PeerLost` is reported (the lost ranks cannot
+    report themselves), and peers read it as :class:`PeerFailed` with
+    ``error_type`` ``"PeerLost"``.
     """
     device = getattr(error, "device", "")
     device = device if isinstance(device, str) else ""
@@ -78,7 +80,9 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
     elif isinstance(error, NonFiniteLoss):
         site = "loss check"
     elif isinstance(error, PeerLost):
+        # Reported by the rank that named them; the device and step are its own collective's, not the lost rank's.
         cause = error.__cause__
+        device, device_index = "", -1
         site = getattr(cause, "site", "") if isinstance(cause, SyncTimeout) else "collective"
         step = getattr(cause, "step", step)
     elif isinstance(error, DataFailed):
@@ -172,16 +176,22 @@ class FailureBoard:
         return self._scan(self._store)
 
     def _scan(self, store: dist.Store) -> FailureReport | None:
+        # A rank's own failure is the root cause; another survivor's verdict
+        # on lost peers ("PeerLost") is returned only when there is none.
         count = store.add(self._key("failures"), 0)
+        verdict: FailureReport | None = None
         for sequence in range(1, count + 1):
             key = self._key("failure", sequence)
             # The counter is bumped before the report is written.
             if not store.check([key]):
                 continue
             report = _DECODER.decode(store.get(key))
-            if report.rank != self._rank:
+            if report.rank == self._rank:
+                continue
+            if report.error_type != "PeerLost":
                 return report
-        return None
+            verdict = verdict or report
+        return verdict
 
     def start_watching(self, callback: Callable[[FailureReport], object]) -> None:
         """Start the ``gsync-failure-watch`` daemon thread; it calls ``callback(report)`` once.
@@ -231,7 +241,7 @@ class FailureBoard:
             if not self._stopping.is_set():
                 self.watch_error = error
 
-    def stop(self, timeout_s: float = 2.0) -> bool:
+    def stop(self, timeout_s: float = 2.0, wake: bool = True) -> bool:
         """Stop the watcher and join it for up to ``timeout_s``; whether it has ended. Idempotent.
 
         Wakes the watcher through the store (one write, which blocks only as
@@ -239,13 +249,14 @@ class FailureBoard:
         its next timeout. If the store server is gone, the watcher's wait has
         already failed and it has ended; only a server that is alive but
         unresponsive leaves the daemon thread waiting, and then this returns
-        ``False`` after ``timeout_s``.
+        ``False`` after ``timeout_s``. ``wake=False`` skips the write (for a
+        store known not to answer).
         """
         self._stopping.set()
         thread = self._thread
         if thread is None:
             return True
-        if thread.is_alive():
+        if thread.is_alive() and wake:
             try:
                 self._store.set(self._key("wake", self._rank), _STOP)
             except Exception:  # noqa: BLE001 - a store that is gone has already ended the watcher's wait

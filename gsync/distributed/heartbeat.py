@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import msgspec
 import torch.distributed as dist
@@ -42,9 +42,10 @@ STALE_AFTER_S = 3.0
 """A peer whose beat has not changed for this long has stopped (six missed beats: load alone does not do that)."""
 LOST_AFTER_S = 10.0
 """Silence that ends a run even while no collective has failed (NCCL waits on a dead peer without error)."""
-# Each store call of the heartbeat gives up after this long, so stop() can
-# always join the thread: a thread left inside a store call when the
-# interpreter finalizes would abort the process.
+# Waits of the heartbeat's store connection give up after this long. Other
+# store calls are bounded only by the server answering (torch 2.13): a store
+# host that is frozen, not dead, can leave the thread inside one, and stop()
+# then returns False rather than waiting for it.
 _STORE_TIMEOUT = timedelta(seconds=2.0)
 
 
@@ -67,6 +68,7 @@ class Beat(msgspec.Struct, frozen=True, array_like=True):
     """The rank closed its session: its silence from now on is not a failure."""
 
 
+_T = TypeVar("_T")
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Beat)
 
@@ -103,6 +105,7 @@ class Heartbeat:
         self._count = 0
         self._views: dict[int, _PeerView] = {}
         self._last_read = time.monotonic()
+        self._call_started: float | None = None
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -133,7 +136,7 @@ class Heartbeat:
         self._on_lost = callback
 
     def _next_beat(self, left: bool = False) -> Beat:
-        where = Whereabouts(self._held[0].step, "left the session") if left else self.where()
+        where = Whereabouts(self._held[0].step, "left the session") if left else self._where()
         held, since = self._held
         now = time.monotonic()
         if where != held:
@@ -142,44 +145,76 @@ class Heartbeat:
         self._count += 1
         return Beat(self._count, where, now - since, left)
 
+    def _where(self) -> Whereabouts:
+        try:
+            return self.where()
+        except Exception:  # noqa: BLE001 - reading actors from another thread must never stop the beat
+            return self._held[0]
+
     def _run(self, store: dist.Store) -> None:
         keys = [self._key(rank) for rank in self._peers]
         present = not keys
         reported = False
         try:
             while not self._stopping.wait(self.interval_s):
-                store.set(self._key(self._rank), _ENCODER.encode(self._next_beat()))
-                # A get of a key nobody wrote yet would block: peers still
-                # joining have not beaten, so read only once all have.
-                present = present or store.check(keys)
-                beats = [_DECODER.decode(raw) for raw in store.multi_get(keys)] if present and keys else []
-                now = time.monotonic()
-                with self._changed:
-                    self._last_read = now
-                    for rank, beat in zip(self._peers, beats):
-                        view = self._views.get(rank)
-                        if view is None:
-                            self._views[rank] = _PeerView(beat, now)
-                        elif view.beat.count != beat.count:
-                            self._views[rank] = _PeerView(beat, now, view.changes + 1)
-                        else:
-                            view.beat = beat
-                    self._changed.notify_all()
+                try:
+                    present = self._beat(store, keys, present)
+                except Exception as error:  # noqa: BLE001 - kept for diagnose(); the next beat tries again
+                    # A store that failed once may answer the next time; one
+                    # that is gone keeps failing fast. Peers judge this rank by
+                    # its beats either way, so never stop trying.
+                    self.store_error = error
+                    continue
+                self.store_error = None
                 callback = self._on_lost
                 if callback is not None and not reported:
-                    # Every rank passes each step's collectives together, so a peer is at least at this rank's step.
                     lost = self.stopped(self.lost_after_s, during=self._held[0].step)
                     if lost:
                         reported = True
                         callback(lost)
             # A last beat that says this rank left, so no peer mistakes the silence for a failure.
-            store.set(self._key(self._rank), _ENCODER.encode(self._next_beat(left=True)))
-        except Exception as error:  # noqa: BLE001 - a heartbeat has no caller; the error is read by diagnose()
-            if not self._stopping.is_set():
-                self.store_error = error
+            self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat(left=True)))
+        except Exception:  # noqa: BLE001 - the last beat is best effort: the store may be gone
+            pass
         finally:
             with self._changed:
                 self._changed.notify_all()
+
+    def _beat(self, store: dist.Store, keys: list[str], present: bool) -> bool:
+        """Write this rank's beat and read every peer's (one write and one read); whether all peers have beaten."""
+        self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))
+        # A get of a key nobody wrote yet would block: peers still
+        # joining have not beaten, so read only once all have.
+        present = present or self._timed(store.check, keys)
+        beats = [_DECODER.decode(raw) for raw in self._timed(store.multi_get, keys)] if present and keys else []
+        now = time.monotonic()
+        with self._changed:
+            self._last_read = now
+            for rank, beat in zip(self._peers, beats):
+                view = self._views.get(rank)
+                if view is None:
+                    self._views[rank] = _PeerView(beat, now)
+                elif view.beat.count != beat.count:
+                    self._views[rank] = _PeerView(beat, now, view.changes + 1)
+                else:
+                    view.beat = beat
+            self._changed.notify_all()
+        return present
+
+    def _timed(self, call: Callable[..., _T], *args: object) -> _T:
+        self._call_started = time.monotonic()
+        try:
+            return call(*args)
+        finally:
+            self._call_started = None
+
+    def store_trouble(self) -> str | None:
+        """Why the store looks unreachable (a call failing, or one stuck for ``stale_after_s``), or ``None``."""
+        started = self._call_started
+        if started is not None and time.monotonic() - started >= self.stale_after_s:
+            return f"a store call has not returned for {time.monotonic() - started:.1f} s"
+        error = self.store_error
+        return None if error is None else f"the store failed: {error}"
 
     def stopped(self, silent_for_s: float | None = None, during: int = -1) -> list[LostRank]:
         """The peers whose beat has not changed for ``silent_for_s`` (default: ``stale_after_s``).
@@ -242,9 +277,11 @@ class Heartbeat:
                 if stuck_after_s is None:
                     return []
                 if time.monotonic() - started >= stuck_after_s:
-                    return [_lost(rank, beat, during) for rank, beat in sorted(fresh.items()) if not beat.where.waiting]
+                    stuck = [_lost(rank, beat, during) for rank, beat in sorted(fresh.items()) if not beat.where.waiting]
+                    # The longest-stuck first: the others may only be held up by it.
+                    return sorted(stuck, key=lambda rank: -rank.held_for)
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not beating:
+            if remaining <= 0 or not beating or self.store_trouble() is not None:
                 return []
             with self._changed:
                 self._changed.wait(min(remaining, self.interval_s))

@@ -188,42 +188,66 @@ class ProcessGroupRuntime:
         if isinstance(error, SyncTimeout) and (error.missing or error.stalled_devices):
             return error
         reports: list[FailureReport] = []
+        corroborations: list[FailureReport] = []
 
         def reported() -> bool:
             try:
                 report = self.board.peer_report()
             except Exception:  # noqa: BLE001 - a store that is gone is handled below
                 return False
+            if report is not None and report.error_type == "PeerLost":
+                # Another survivor's verdict, not a culprit: this rank names whom it finds itself.
+                corroborations[:] = [report]
+                return False
             if report is not None:
                 reports.append(report)
             return report is not None
 
         heartbeat = self.heartbeat
+        during = getattr(error, "step", -1)
+        host = self.membership.store_host
+        if heartbeat.store_trouble() is not None:
+            # Without a store neither reports nor beats can be read (and a
+            # frozen one would block this thread): the store's host rank is
+            # the one suspect there is, when gsync put the store there.
+            seen = heartbeat.last_seen(host, during=during) if host is not None and host != self.membership.rank else None
+            if seen is None:
+                return error
+            blamed_host = PeerLost([seen])
+            blamed_host.__cause__ = error
+            return blamed_host
         lost = heartbeat.diagnose(
             heartbeat.stale_after_s + 2 * heartbeat.interval_s,
             reported,
             stuck_after_s=_PEER_REPORT_GRACE_S if isinstance(error, SyncTimeout) else None,
-            during=getattr(error, "step", -1),
+            during=during,
         )
-        host = self.membership.store_host
-        if not reports and not lost and heartbeat.store_error is not None and host is not None and host != self.membership.rank:
-            # The store lives in the host rank's process: unreachable means that process is gone.
-            seen = heartbeat.last_seen(host, during=getattr(error, "step", -1))
+        if not reports and not lost and heartbeat.store_trouble() is not None and host is not None and host != self.membership.rank:
+            # The store went away while this rank looked: it lives in the host rank's process.
+            seen = heartbeat.last_seen(host, during=during)
             lost = [seen] if seen is not None else []
         blamed: GsyncError
         if reports:
             blamed = peer_failed(reports[0])
         elif lost:
             blamed = PeerLost(lost)
+        elif corroborations:
+            blamed = peer_failed(corroborations[0])
         else:
             return error
         blamed.__cause__ = error
         return blamed
 
+    def store_unreachable(self) -> bool:
+        """Whether the store looks gone or frozen (its calls fail, or one has not returned for seconds)."""
+        return self.heartbeat.store_trouble() is not None
+
     def close(self) -> None:
         """Stop beating and watching, and destroy what gsync created (a user's group stays up)."""
+        unreachable = self.store_unreachable()
         self.heartbeat.stop()
-        self.board.stop()
+        # Waking the watcher is a store write: not to a store that does not answer.
+        self.board.stop(wake=not unreachable)
         self.membership.close()
 
 

@@ -39,26 +39,32 @@ def _outcome(error: BaseException, started: float) -> dict[str, Any]:
         "site": getattr(error, "site", None),
         "silent": [rank.silent_for for rank in lost],
         "last_step": error.last_step if isinstance(error, gsync.GsyncError) else None,
+        "error_type": getattr(error, "error_type", None),
     }
 
 
 def _end_peer(pid_file: Path) -> None:
-    # The peer is stopped or stuck on purpose; once it has been named, end it.
-    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    """The peer is stopped or stuck on purpose: the last survivor to have named it ends it."""
+    survivors = int(os.environ["WORLD_SIZE"]) - 1
+    with open(pid_file.with_suffix(".named"), "a") as named:
+        named.write(os.environ["RANK"] + "\n")
+    if len(pid_file.with_suffix(".named").read_text().split()) == survivors:
+        os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
-def _fit_with(loss_fn: Any, data: Any, sync_timeout: float, pid_file: Path) -> dict[str, Any]:
+def _fit_with(loss_fn: Any, data: Any, sync_timeout: float, pid_file: Path, culprit: int = 1) -> dict[str, Any]:
     import gsync
 
     rank = int(os.environ["RANK"])
-    if rank == 1:
+    if rank == culprit:
+        pid_file.with_suffix(".named").unlink(missing_ok=True)  # a run before this one's (the stress script reuses the file)
         pid_file.write_text(str(os.getpid()))
     started = time.monotonic()
     try:
         asyncio.run(gsync.Engine(["cpu"], sync_timeout=sync_timeout).fit(TiedNet(), data, optimizer=sgd, loss_fn=loss_fn))
     except gsync.GsyncError as error:
         outcome = _outcome(error, started)
-        if rank == 0:
+        if rank != culprit:
             _end_peer(pid_file)
         return outcome
     return {"type": None}
@@ -120,6 +126,38 @@ def test_a_rank_stuck_in_its_data_is_named_alive_and_where(tmp_path: Path) -> No
     # fit reads one batch ahead, so the read stuck before step 2 stops rank 1 before step 1.
     assert "rank 1 is alive but stuck at its own code after step 0 (the training loop or its data)" in outcome["message"]
     assert outcome["elapsed"] < 3.0 + 10, outcome
+
+
+def data_stuck_on_rank_2_of_3(pid_file: Path) -> dict[str, Any]:
+    """Three ranks; rank 2's data loader blocks. Ranks 0 and 1 time out within moments of each other."""
+    rank = int(os.environ["RANK"])
+    batches = make_batches(STEPS, 9)
+    never = threading.Event()
+
+    def data() -> Iterator[Any]:
+        for step, batch in enumerate(batches):
+            if rank == 2 and step == 2:
+                never.wait()
+            yield batch
+
+    return _fit_with(classification_loss, data(), 3.0, pid_file, culprit=2)
+
+
+@pytest.mark.timeout(120)
+def test_with_three_ranks_the_survivors_name_the_stuck_one_not_each_other(tmp_path: Path) -> None:
+    results = run_ranks(data_stuck_on_rank_2_of_3, 3, args=(tmp_path / "pid",), timeout=100, failure_grace=30)
+    for survivor in results[:2]:
+        assert survivor.ok, survivor.describe()
+        outcome = survivor.value
+        # Named by its own heartbeat view (PeerLost), or through the other survivor's verdict (PeerFailed of
+        # type PeerLost): either way rank 2, and only rank 2, is the one stuck.
+        assert outcome["type"] in ("PeerLost", "PeerFailed"), outcome
+        if outcome["type"] == "PeerLost":
+            assert outcome["rank"] == 2, outcome
+        else:
+            assert outcome["error_type"] == "PeerLost", outcome
+        assert "rank 2 is alive but stuck at its own code" in outcome["message"], outcome
+        assert "rank 0 is alive" not in outcome["message"] and "rank 1 is alive" not in outcome["message"], outcome
 
 
 def loss_stuck_on_rank_1(pid_file: Path) -> dict[str, Any]:
