@@ -79,7 +79,7 @@ class DeviceActor:
         self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
         self.plan = context.plan
-        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device)
+        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device, lazy=context.direct_grads)
         self.readiness = Readiness(self.plan)
         self.site = "data"
         self.step = -1
@@ -107,7 +107,7 @@ class DeviceActor:
         return self.spec.name
 
     def bucket_buffer(self, bucket: int) -> torch.Tensor:
-        return self.grads.flats[bucket]
+        return self.grads.flat(bucket)
 
     def where(self) -> str:
         """Where this device was last seen, e.g. ``"step 2, backward"`` (for timeout reports)."""
@@ -160,7 +160,7 @@ class DeviceActor:
     def _adopt_plan(self) -> None:
         """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
         self.plan = self._context.plan
-        self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device)
+        self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.direct_grads)
         self.readiness = Readiness(self.plan)
 
     def _autocast(self) -> AbstractContextManager[Any]:
@@ -244,7 +244,12 @@ class DeviceActor:
         """Post the buckets the last backward did not complete; slots of parameters that got no gradient are zeroed."""
         for bucket, not_in_last in self.readiness.unfinished():
             unused = tuple(p for p in not_in_last if not self._got_grad[p])
-            self.grads.fill_missing(unused)
+            if self._direct:
+                # Alone in the run: no slot to zero; the optimizer sees None, as in a plain loop.
+                for position in unused:
+                    self.params[position].grad = None
+            else:
+                self.grads.fill_missing(unused)
             self._context.streams.mark_ready(self.index, bucket)
             self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
 
@@ -301,7 +306,7 @@ class DeviceActor:
                 self._step_scheduler()
             finally:
                 for position in synced.unused:
-                    self.params[position].grad = self.grads.views[position]
+                    self.params[position].grad = None if self._context.direct_grads else self.grads.view(position)
             # Only a step that returned leaves the replica consistent; the step
             # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = synced.step

@@ -122,19 +122,53 @@ class ReplicaGrads:
     view again, for the reduction and the optimizer.
     """
 
-    def __init__(self, plan: BucketPlan, params: Sequence[torch.Tensor], device: torch.device) -> None:
-        self.flats = [torch.zeros(b.numel, dtype=b.dtype, device=device) for b in plan.buckets]
-        self.views: list[torch.Tensor] = [torch.empty(0)] * len(plan.names)
-        for bucket, flat in zip(plan.buckets, self.flats):
-            for param, offset in zip(bucket.params, bucket.offsets):
-                shape = plan.shapes[param]
-                self.views[param] = flat[offset : offset + shape.numel()].view(shape)
+    def __init__(
+        self, plan: BucketPlan, params: Sequence[torch.Tensor], device: torch.device, lazy: bool = False
+    ) -> None:
+        self._plan = plan
+        self._device = device
         self.params = list(params)
-        self.attach()
+        self._flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self._views: list[torch.Tensor | None] = [None] * len(plan.names)
+        if not lazy:
+            self.attach()
+
+    def flat(self, bucket: int) -> torch.Tensor:
+        """Bucket ``bucket``'s buffer, allocated (zeroed) the first time it is needed.
+
+        A replica alone in its run keeps autograd's gradients in ``.grad`` and
+        allocates a bucket only for what goes through it (accumulated steps,
+        sparse gradients, unused parameters), so it does not hold a second
+        copy of every gradient.
+        """
+        flat = self._flats[bucket]
+        if flat is None:
+            spec = self._plan.buckets[bucket]
+            flat = self._flats[bucket] = torch.zeros(spec.numel, dtype=spec.dtype, device=self._device)
+            for param, offset in zip(spec.params, spec.offsets):
+                shape = self._plan.shapes[param]
+                self._views[param] = flat[offset : offset + shape.numel()].view(shape)
+        return flat
+
+    def view(self, position: int) -> torch.Tensor:
+        """Parameter ``position``'s slot in its bucket."""
+        view = self._views[position]
+        if view is None:
+            self.flat(self._plan.bucket_of[position])
+            view = self._views[position]
+        return view  # type: ignore[return-value]
+
+    @property
+    def flats(self) -> list[torch.Tensor]:
+        return [self.flat(bucket) for bucket in range(len(self._flats))]
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        return [self.view(position) for position in range(len(self._views))]
 
     def attach(self) -> None:
-        for param, view in zip(self.params, self.views):
-            param.grad = view
+        for position, param in enumerate(self.params):
+            param.grad = self.view(position)
 
     def release(self) -> None:
         """Before backward: let autograd deliver fresh gradients (see the class docstring)."""
@@ -148,7 +182,7 @@ class ReplicaGrads:
         several); ``add`` adds it to what an earlier batch of the step left.
         """
         param = self.params[position]
-        view = self.views[position]
+        view = self.view(position)
         grad = param.grad
         # A sparse gradient (nn.Embedding(sparse=True)) lands densely in its slot.
         if grad.is_sparse:  # type: ignore[union-attr]
@@ -164,8 +198,9 @@ class ReplicaGrads:
     def fill_missing(self, positions: Sequence[int]) -> None:
         """Zeros for parameters that got no gradient this step (their slots still hold the last step's)."""
         for position in positions:
-            self.views[position].zero_()
-            self.params[position].grad = self.views[position]
+            view = self.view(position)
+            view.zero_()
+            self.params[position].grad = view
 
 
 class Readiness:

@@ -26,7 +26,8 @@ class FitStats:
     """Whether the plan was rebuilt from the gradient order observed in the first step."""
     reduced_bytes: int = 0
     """Bytes of gradient buckets all-reduced, per device (accumulating steps reduce once per step); with
-    ``Engine(compression=...)``, the compressed payload's bytes, as they cross the process group."""
+    ``Engine(compression=...)``, the compressed payload's bytes, as they cross the process group. 0 when the
+    run has one device in all: there is nothing to reduce."""
 
 
 @dataclass(frozen=True)

@@ -234,8 +234,10 @@ class SyncServer:
             raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
-        flats = [device.bucket_buffer(bucket) for device in self._devices]
-        nbytes = flats[0].numel() * flats[0].element_size()
+        # One device in the whole run: the reduction is the identity, and its
+        # bucket may not even exist (the gradients stay in .grad).
+        flats = [] if self._context.direct_grads else [device.bucket_buffer(bucket) for device in self._devices]
+        nbytes = flats[0].numel() * flats[0].element_size() if flats else 0
         self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
@@ -246,6 +248,9 @@ class SyncServer:
             hook(-1, step, "all_reduce", self._abort)
         streams = self._context.streams
         streams.before_reduce(bucket)
+        if not flats:
+            streams.after_reduce(bucket)
+            return
         with streams.comm_streams():
             if isinstance(self._collective, CompressedCollective):
                 nbytes = self._collective.reduce_bucket(bucket, flats, weights)
@@ -254,6 +259,7 @@ class SyncServer:
                 nbytes = flats[0].numel() * flats[0].element_size()
         streams.after_reduce(bucket)
         self.reduced_bytes += nbytes
+
     def _broadcast_buffers(self, step: int) -> None:
         streams = self._context.streams
         with streams.comm_streams():

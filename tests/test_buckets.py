@@ -75,3 +75,15 @@ def test_readiness_reports_completed_buckets_and_double_fires() -> None:
         ready.mark(0)
     ready.reset()
     assert ready.unfinished() == [(0, (2,)), (1, (1, 0))]
+
+
+def test_a_lazy_replica_allocates_a_bucket_only_when_something_goes_through_it() -> None:
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(6))]
+    plan = BucketPlan.build([(f"p{i}", p) for i, p in enumerate(params)], first_bucket_bytes=48, bucket_cap_bytes=48)
+    assert len(plan.buckets) >= 2
+    grads = ReplicaGrads(plan, params, torch.device("cpu"), lazy=True)
+    assert all(flat is None for flat in grads._flats) and all(p.grad is None for p in params)
+    grads.fill_missing([2])
+    touched = plan.bucket_of[2]
+    assert [flat is not None for flat in grads._flats] == [b == touched for b in range(len(plan.buckets))]
+    assert params[2].grad is not None and params[2].grad.data_ptr() == grads.view(2).data_ptr()
