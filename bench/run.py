@@ -90,6 +90,7 @@ FULL = Plan(repeats=3, steps=30, warmup=5, sweep_steps=20, sweep_warmup=3, contr
 # Step-section configurations: (key, label, how to run it).
 STEP_CONFIGS: tuple[tuple[str, str], ...] = (
     ("plain", "one process (torch default threads)"),
+    ("gsync_1", "gsync 1 x cpu (default threads)"),
     ("floor_t1", "floor: 2 threads x set_num_threads(1)"),
     ("floor_inherit", "floor: 2 threads, inherited threads"),
     ("gsync", "gsync 2 x cpu (default threads)"),
@@ -199,6 +200,8 @@ class Runner:
             return self.task(label, "floor", steps=steps, warmup=warmup, threads_per_replica=None)
         if key == "gsync":
             return self.task(label, "gsync", steps=steps, warmup=warmup)
+        if key == "gsync_1":
+            return self.task(label, "gsync", steps=steps, warmup=warmup, devices=1)
         if key == "gsync_session":
             return self.task(label, "gsync", steps=steps, warmup=warmup, loop="session")
         if key == "gsync_t1":

@@ -261,7 +261,8 @@ class LostRank:
     def __str__(self) -> str:
         where = f"step {self.step} ({self.phase}{' on ' + self.device if self.device else ''})"
         if self.heard:
-            where = f"step {self.step} (last heard at {self.heard})"
+            # Its beats are half a second apart; where exactly it stopped is not known.
+            where = f"step {self.step} or just before (last heard at {self.heard})"
         elif self.phase == "outside gsync":
             after = f"after step {self.step}" if self.step >= 0 else "before its first step"
             where = f"its own code {after} (the training loop or its data)"

@@ -84,7 +84,7 @@ def test_a_dead_peer_whose_last_beat_is_older_than_the_failed_step_is_placed_in_
         me = ranks.beat(0, 2, Whereabouts(2, "gradient sync", waiting=True))
         (lost,) = me.diagnose(timeout_s=STALE * 10, during=2)
         assert (lost.step, lost.phase, lost.heard) == (2, "", "step 0, gradient sync")
-        assert "rank 1 stopped responding at step 2 (last heard at step 0, gradient sync)" in str(lost)
+        assert "rank 1 stopped responding at step 2 or just before (last heard at step 0, gradient sync)" in str(lost)
 
 
 @pytest.mark.timeout(30)
