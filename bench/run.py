@@ -211,6 +211,12 @@ class Runner:
         raise KeyError(key)
 
 
+def _undisturbed(runs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The repeats to take statistics over (those no other process disturbed, if any), and the undisturbed ones."""
+    clean = [run for run in runs if (run["other_load_cores"] or 0.0) <= NOISY_CORES]
+    return clean or runs, clean
+
+
 def section_step(runner: Runner, steps: int | None = None, repeats: int | None = None) -> dict[str, Any]:
     """Interleaved repeats (rotating the order) of every step configuration."""
     plan = runner.plan
@@ -229,8 +235,7 @@ def section_step(runner: Runner, steps: int | None = None, repeats: int | None =
         if not runs[key]:
             continue
         # Statistics over the repeats no other process disturbed, if there are any.
-        clean = [run for run in runs[key] if (run["other_load_cores"] or 0.0) <= Runner.NOISY_CORES]
-        use = clean or runs[key]
+        use, clean = _undisturbed(runs[key])
         configs[key] = {
             "label": label,
             "median_ms": median([run["step"]["median_ms"] for run in use]),
@@ -408,8 +413,7 @@ def section_ablation(runner: Runner) -> dict[str, Any]:
     out = {}
     for key, label in ABLATION:
         if runs[key]:
-            clean = [run for run in runs[key] if (run["other_load_cores"] or 0.0) <= NOISY_CORES]
-            use = clean or runs[key]
+            use, clean = _undisturbed(runs[key])
             out[key] = {
                 "label": label,
                 "median_ms": median([run["step"]["median_ms"] for run in use]),
@@ -449,8 +453,7 @@ def section_compression(runner: Runner, configs: tuple[tuple[str, str, str, dict
     out: dict[str, Any] = {}
     for key, label, _, _ in configs:
         if runs[key]:
-            clean = [run for run in runs[key] if (run["other_load_cores"] or 0.0) <= NOISY_CORES]
-            use = clean or runs[key]
+            use, clean = _undisturbed(runs[key])
             out[key] = {
                 "label": label,
                 "median_ms": median([run["step"]["median_ms"] for run in use]),

@@ -69,6 +69,20 @@ class Normed(nn.Module):
         return self.out(torch.relu(self.norm(self.inp(x))))
 
 
+class Deep(nn.Module):
+    """A stack of Linear layers: enough parameters for several buckets at small bucket sizes."""
+
+    def __init__(self, width: int = 64, depth: int = 6) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(12 if i == 0 else width, width) for i in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
 def make_batches(steps: int, rows: int, d_in: int = 12, classes: int = 5, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [

@@ -10,6 +10,7 @@ from torch import nn
 
 import gsync
 from conftest import (
+    Deep,
     TiedNet,
     assert_no_tasks_left,
     assert_same_state,
@@ -21,18 +22,6 @@ from conftest import (
 )
 
 pytestmark = pytest.mark.asyncio
-
-
-class Deep(nn.Module):
-    def __init__(self, width: int = 64, depth: int = 6) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(12 if i == 0 else width, width) for i in range(depth))
-        self.head = nn.Linear(width, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return self.head(x)
 
 
 @pytest.mark.parametrize("num_devices", [1, 2, 3])

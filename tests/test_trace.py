@@ -15,29 +15,13 @@ from typing import Any
 
 import anyio
 import pytest
-import torch
-from conftest import classification_loss, gsync_threads, make_batches, sgd
-from torch import nn
+from conftest import Deep, classification_loss, gsync_threads, make_batches, sgd
 
 import gsync
 import gsync.testing
 from gsync.trace import rank_file
 
 PHASES = ("data", "forward", "backward", "optimizer")
-
-
-class Deep(nn.Module):
-    """Enough parameters for several buckets at small bucket sizes."""
-
-    def __init__(self, width: int = 64, depth: int = 4) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(12 if i == 0 else width, width) for i in range(depth))
-        self.head = nn.Linear(width, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return self.head(x)
 
 
 def small_buckets(trace: Any, devices: int = 2) -> gsync.Engine:
@@ -76,7 +60,7 @@ async def test_a_fit_writes_one_track_per_device_one_for_communication_and_step_
     path = tmp_path / "run.json"
     engine = small_buckets(str(path))
     started = time.perf_counter()
-    result = await engine.fit(Deep(), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
+    result = await engine.fit(Deep(depth=4), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
     wall_us = (time.perf_counter() - started) * 1e6
 
     assert result.trace is not None and result.trace.path == path
@@ -123,7 +107,7 @@ async def test_a_session_writes_its_trace_when_its_block_ends_and_the_next_one_r
     engine = small_buckets(path)
     assert engine.trace_file == path
     batches = make_batches(4, 16)
-    async with engine.session(Deep(), optimizer=sgd, loss_fn=classification_loss) as session:
+    async with engine.session(Deep(depth=4), optimizer=sgd, loss_fn=classification_loss) as session:
         await session.step(batches[0])
         await session.step(batches[1], batches[2])
         await session.evaluate(batches[3:])
@@ -134,7 +118,7 @@ async def test_a_session_writes_its_trace_when_its_block_ends_and_the_next_one_r
     assert [e["name"] for e in chrome.on("steps", "X")] == ["step 0", "step 1"]
     assert [e["args"]["step"] for e in chrome.on("device 1 (cpu:1)", "X") if e["name"] == "evaluate"] == [1]
 
-    async with engine.session(Deep(), optimizer=sgd, loss_fn=classification_loss) as session:
+    async with engine.session(Deep(depth=4), optimizer=sgd, loss_fn=classification_loss) as session:
         await session.step(batches[0])
     assert [e["name"] for e in Chrome(path).on("steps", "X")] == ["step 0"]
     assert list(tmp_path.rglob("*.partial")) == []
@@ -147,7 +131,7 @@ async def test_a_failed_fit_writes_its_trace_with_the_failure_on_the_device_that
     engine = small_buckets(path)
     fault = gsync.testing.fail(device=1, step=2, site="backward")
     with gsync.testing.inject(engine, fault), pytest.raises(gsync.WorkerFailed) as caught:
-        await engine.fit(Deep(), make_batches(4, 16), optimizer=sgd, loss_fn=classification_loss)
+        await engine.fit(Deep(depth=4), make_batches(4, 16), optimizer=sgd, loss_fn=classification_loss)
     error = caught.value
     assert str(error).endswith(f" (trace: {path})")
     assert str(error).startswith("worker on device cpu:1 (index 1) failed at step 2 during backward")
@@ -178,7 +162,7 @@ async def test_a_failed_reduction_is_marked_on_the_communication_track(tmp_path:
     engine = small_buckets(path)
     fault = gsync.testing.fail(device=None, step=1, site="all_reduce")
     with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncFailed) as caught:
-        await engine.fit(Deep(), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
+        await engine.fit(Deep(depth=4), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
     assert str(caught.value).endswith(f" (trace: {path})")
     chrome = Chrome(path)
     marks = [e for e in chrome.timed if e["ph"] == "i"]
@@ -202,7 +186,7 @@ async def test_a_cancelled_fit_writes_its_trace_with_the_cancellation_marked(tmp
 
     with anyio.CancelScope() as scope:
         callbacks = [CancelAfterStep1(scope)]
-        await engine.fit(Deep(), make_batches(5, 16), optimizer=sgd, loss_fn=classification_loss, callbacks=callbacks)
+        await engine.fit(Deep(depth=4), make_batches(5, 16), optimizer=sgd, loss_fn=classification_loss, callbacks=callbacks)
     assert scope.cancelled_caught
 
     chrome = Chrome(path)
@@ -223,7 +207,7 @@ async def test_your_own_exception_propagates_unchanged_with_a_note_naming_the_tr
             raise KeyError("mine")
 
     with pytest.raises(KeyError) as caught:
-        await engine.fit(Deep(), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss, callbacks=[Raise()])
+        await engine.fit(Deep(depth=4), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss, callbacks=[Raise()])
     assert caught.value.args == ("mine",)
     assert f"gsync trace: {path}" in caught.value.__notes__
     chrome = Chrome(path)
@@ -241,11 +225,11 @@ async def test_a_trace_file_that_cannot_be_written_is_a_warning_never_the_error(
     path = blocker / "run.json"
     engine = small_buckets(path)
     with caplog.at_level(logging.WARNING, logger="gsync"):
-        result = await engine.fit(Deep(), make_batches(2, 16), optimizer=sgd, loss_fn=classification_loss)
+        result = await engine.fit(Deep(depth=4), make_batches(2, 16), optimizer=sgd, loss_fn=classification_loss)
         assert result.losses and result.trace is not None and result.trace.path is None
         fault = gsync.testing.fail(device=0, step=1, site="forward")
         with gsync.testing.inject(engine, fault), pytest.raises(gsync.WorkerFailed) as caught:
-            await engine.fit(Deep(), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
+            await engine.fit(Deep(depth=4), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
     assert str(caught.value) == "worker on device cpu:0 (index 0) failed at step 1 during forward"
     assert sum("could not write the trace file" in r.getMessage() for r in caplog.records) == 2
     assert gsync_threads() == []
@@ -260,7 +244,7 @@ async def test_trace_true_and_a_trace_of_your_own_write_no_file(
     for setting in (True, mine):
         engine = small_buckets(setting)
         assert engine.trace_file is None
-        result = await engine.fit(Deep(), make_batches(2, 16), optimizer=sgd, loss_fn=classification_loss)
+        result = await engine.fit(Deep(depth=4), make_batches(2, 16), optimizer=sgd, loss_fn=classification_loss)
         assert result.trace is not None and result.trace.path is None and result.trace.outcome == "ok"
         assert result.trace.select("all_reduce")[0].nbytes > 0
     assert result.trace is mine

@@ -100,19 +100,19 @@ def test_a_frozen_rank_is_named_long_before_the_sync_timeout(tmp_path: Path) -> 
     assert outcome["last_step"] == 1
 
 
-def data_stuck_on_rank_1(pid_file: Path) -> dict[str, Any]:
-    """Rank 1's data loader blocks before step 2 (reading data is not timed, so rank 1 itself never times out)."""
+def _data_stuck_on(stuck: int, rows: int) -> Iterator[Any]:
+    """The run's batches; on rank ``stuck`` the read before step 2 never returns (reading data is not timed)."""
     rank = int(os.environ["RANK"])
-    batches = make_batches(STEPS, 8)
     never = threading.Event()
+    for step, batch in enumerate(make_batches(STEPS, rows)):
+        if rank == stuck and step == 2:
+            never.wait()
+        yield batch
 
-    def data() -> Iterator[Any]:
-        for step, batch in enumerate(batches):
-            if rank == 1 and step == 2:
-                never.wait()
-            yield batch
 
-    return _fit_with(classification_loss, data(), 3.0, pid_file)
+def data_stuck_on_rank_1(pid_file: Path) -> dict[str, Any]:
+    """Rank 1's data loader blocks before step 2, so rank 1 itself never times out."""
+    return _fit_with(classification_loss, _data_stuck_on(1, 8), 3.0, pid_file)
 
 
 @pytest.mark.timeout(90)
@@ -130,17 +130,7 @@ def test_a_rank_stuck_in_its_data_is_named_alive_and_where(tmp_path: Path) -> No
 
 def data_stuck_on_rank_2_of_3(pid_file: Path) -> dict[str, Any]:
     """Three ranks; rank 2's data loader blocks. Ranks 0 and 1 time out within moments of each other."""
-    rank = int(os.environ["RANK"])
-    batches = make_batches(STEPS, 9)
-    never = threading.Event()
-
-    def data() -> Iterator[Any]:
-        for step, batch in enumerate(batches):
-            if rank == 2 and step == 2:
-                never.wait()
-            yield batch
-
-    return _fit_with(classification_loss, data(), 3.0, pid_file, culprit=2)
+    return _fit_with(classification_loss, _data_stuck_on(2, 9), 3.0, pid_file, culprit=2)
 
 
 @pytest.mark.timeout(120)
