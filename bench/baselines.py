@@ -92,14 +92,14 @@ def _bucket_views(params: list[torch.nn.Parameter], copy_in_hook: bool) -> torch
 
 
 def floor(steps: int, warmup: int, threads_per_replica: int | None = 1, replicas: int = 2,
-          workload: str = "ref", grads: str = "fresh") -> dict[str, Any]:
+          workload: str = "ref", grads: str = "fresh", layers: int = TINY_LAYERS) -> dict[str, Any]:
     """(b) The compute floor: ``replicas`` plain Python threads, each training its own replica
     on its shard of each global batch, with no gradient synchronization at all.
 
     A barrier per step only delimits steps. ``threads_per_replica`` is applied with
     ``torch.set_num_threads`` inside each thread (None: inherit the process default).
     Phases are timed per thread so gsync's phases can be compared with them.
-    ``workload``: "ref" (the reference MLP) or "tiny" (the control-plane model).
+    ``workload``: "ref" (the reference MLP) or "tiny" (the control-plane model, ``layers`` x Linear(8, 8)).
 
     ``grads`` (an ablation of gsync's gradient handling, still without any sync):
     "fresh": ``zero_grad()`` (set to None), autograd hands each fresh gradient over, as in
@@ -110,7 +110,7 @@ def floor(steps: int, warmup: int, threads_per_replica: int | None = 1, replicas
     if grads not in ("fresh", "bucket_zero", "bucket_copy"):
         raise ValueError(f"unknown grads mode {grads!r}")
     if workload == "tiny":
-        model, batches, loss = make_tiny(), make_tiny_batches(warmup + steps), tiny_loss
+        model, batches, loss = make_tiny(layers), make_tiny_batches(warmup + steps), tiny_loss
     else:
         model, batches, loss = make_mlp(), make_batches(warmup + steps), loss_fn
     barrier = threading.Barrier(replicas)

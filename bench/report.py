@@ -156,10 +156,15 @@ CONTROL8_TARGETS = {"gsync8 / sequential (one bucket)": 1.5, "loop CPU us per Bu
 def control8_ratios(control8: dict[str, Any]) -> dict[str, float]:
     """gsync / sequential for each bucket layout, and the loop CPU, wall time and wake-ups per extra message."""
     seq, one, per = control8.get("sequential"), control8.get("one_bucket"), control8.get("per_tensor")
+    threads = control8.get("threads")
     ratios: dict[str, float] = {}
+    if threads is not None and seq is not None:
+        ratios["8 plain threads, no sync / sequential"] = threads["step"]["median_ms"] * 1e3 / seq["us_per_step"]
     for name, r in (("one bucket", one), ("one bucket per tensor", per)):
         if r is not None and seq is not None:
             ratios[f"gsync8 / sequential ({name})"] = r["us_per_step"] / seq["us_per_step"]
+    if one is not None and threads is not None:
+        ratios["gsync8 / 8 plain threads (one bucket)"] = one["us_per_step"] / (threads["step"]["median_ms"] * 1e3)
     if one is not None and per is not None and per["messages_per_step"] > one["messages_per_step"]:
         extra = per["messages_per_step"] - one["messages_per_step"]
         ratios["loop CPU us per BucketReady"] = (per["loop_cpu_us_per_step"] - one["loop_cpu_us_per_step"]) / extra
@@ -179,6 +184,11 @@ def print_control8(control8: dict[str, Any]) -> None:
     if seq is not None:
         print(f"  8 replicas sequentially in one plain thread (fwd/bwd each, grads averaged by hand, 8 optimizer steps): "
               f"{seq['us_per_step'] / 1e3:.2f} ms/step{noisy_mark(seq)} (other load {_fmt(seq.get('other_load_cores'), '.2f')})")
+    threads = control8.get("threads")
+    if threads is not None:
+        print(f"  8 plain threads, one replica each, no synchronization at all (the cost of a thread per device): "
+              f"{threads['step']['median_ms']:.2f} ms/step{noisy_mark(threads)} "
+              f"(other load {_fmt(threads.get('other_load_cores'), '.2f')})")
     print(f"  {'gsync 8 x cpu':24} {'ms/step':>8} {'vs seq':>6} {'loop CPU ms':>11} {'buckets':>7} {'BucketReady':>11} "
           f"{'thread posts':>12} {'loop iters':>10} {'wake-ups':>8} {'other load':>10}")
     for name, r in rows:

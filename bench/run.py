@@ -294,13 +294,19 @@ CONTROL8_LAYERS = 50  # x Linear(8, 8): 100 parameter tensors
 
 def section_control8(runner: Runner) -> dict[str, Any]:
     """gsync on 8 virtual CPU devices, the tiny model of 100 tensors, one bucket and one bucket per tensor,
-    against the same 8 replicas' work done sequentially in one plain thread."""
+    against the same 8 replicas' work done sequentially in one plain thread, and in 8 plain threads
+    with no synchronization at all (what one thread per device costs before gsync does anything)."""
     plan = runner.plan
     common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control_repeats}
     out = {
         "sequential": runner.task(
             f"control8: {CONTROL8_DEVICES} replicas sequentially in one thread", "sequential",
             steps=plan.control8_long, warmup=10, repeats=3, replicas=CONTROL8_DEVICES, layers=CONTROL8_LAYERS,
+        ),
+        "threads": runner.task(
+            f"control8: {CONTROL8_DEVICES} plain threads, one replica each, no sync", "floor",
+            steps=plan.control8_long, warmup=10, threads_per_replica=1, replicas=CONTROL8_DEVICES, workload="tiny",
+            layers=CONTROL8_LAYERS,
         ),
         "one_bucket": runner.task(
             f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket", "gsync_control_plane",

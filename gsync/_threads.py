@@ -27,24 +27,68 @@ class FitAborted(Exception):
 
 
 class LoopHandle:
-    """Schedules callbacks on the event loop that created it, from any thread."""
+    """Schedules callbacks on the event loop that created it, from any thread.
+
+    Callbacks posted while the loop has not yet run earlier ones ride on one
+    wake-up: each wake-up costs the poster a write to the loop's self-pipe
+    and the loop a read, and every such system call gives up the GIL, which
+    the thread must then win back from the device threads. With many
+    threads reporting (devices' jobs, reductions, mailboxes), the loop is
+    woken once per burst instead of once per callback. Callbacks run in
+    posting order.
+    """
 
     def __init__(self) -> None:
         try:
-            self._call_soon: Callable[..., Any] = asyncio.get_running_loop().call_soon_threadsafe
+            loop = asyncio.get_running_loop()
+            self._wake: Callable[..., Any] = loop.call_soon_threadsafe
+            self._loop_closed: Callable[[], bool] = loop.is_closed
         except RuntimeError:
             # Not asyncio: anyio's only other backend is trio.
             import trio
 
-            self._call_soon = trio.lowlevel.current_trio_token().run_sync_soon
+            self._wake = trio.lowlevel.current_trio_token().run_sync_soon
+            self._loop_closed = lambda: False
+        self._lock = threading.Lock()
+        # Non-empty exactly while a wake-up is scheduled that will run it.
+        self._pending: list[tuple[Callable[..., object], tuple[object, ...]]] = []
 
     def call_soon(self, callback: Callable[..., object], *args: object) -> bool:
         """Schedule ``callback(*args)`` on the loop; ``False`` when the loop is already closed."""
+        with self._lock:
+            self._pending.append((callback, args))
+            if len(self._pending) > 1:
+                if not self._loop_closed():
+                    return True
+                self._pending.clear()
+                return False
         try:
-            self._call_soon(callback, *args)
+            self._wake(self._run_pending)
         except RuntimeError:
+            with self._lock:
+                self._pending.clear()
             return False
         return True
+
+    def _run_pending(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for position, (callback, args) in enumerate(batch):
+            try:
+                callback(*args)
+            except BaseException:
+                # The loop reports this one as it would any callback's; the rest still run, first.
+                rest = batch[position + 1 :]
+                if rest:
+                    with self._lock:
+                        nothing_scheduled = not self._pending
+                        self._pending[:0] = rest
+                    if nothing_scheduled:
+                        try:
+                            self._wake(self._run_pending)
+                        except RuntimeError:
+                            pass
+                raise
 
 
 class Outcome(Generic[T]):
@@ -94,10 +138,19 @@ class WorkerThread:
             self._exited.set()
             self._loop.call_soon(self._exit_seen.set)
 
-    def submit(self, fn: Callable[[], T], on_done: Callable[[Outcome[T]], object]) -> None:
+    def submit(
+        self,
+        fn: Callable[[], T],
+        on_done: Callable[[Outcome[T]], object],
+        superseded: Callable[[], bool] | None = None,
+    ) -> None:
         """Run ``fn()`` in the thread, then ``on_done(outcome)`` on the event loop.
 
         After :meth:`stop`, ``on_done`` gets a :class:`FitAborted` outcome instead.
+
+        ``superseded``, when given, is asked in the thread after ``fn`` returns:
+        ``True`` skips ``on_done`` for this success, because a job already
+        queued behind it reports for both (a failure is always reported).
 
         ``on_done`` is dropped silently if the loop has closed by then: nobody
         is left to receive it.
@@ -108,6 +161,9 @@ class WorkerThread:
                 outcome: Outcome[T] = Outcome(value=fn())
             except BaseException as error:  # noqa: BLE001 - handed to the loop, never swallowed
                 outcome = Outcome(error=error)
+            else:
+                if superseded is not None and superseded():
+                    return
             self._loop.call_soon(on_done, outcome)
 
         if self._stopped:

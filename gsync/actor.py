@@ -31,7 +31,7 @@ from torch import nn
 from ._threads import FitAborted, WorkerThread
 from .batches import move_batch
 from .buckets import Readiness, ReplicaGrads
-from .context import ActorContext, Shard
+from .context import ActorContext, FirstStepInTurn, Shard
 from .devices import DeviceSpec
 from .errors import (
     GsyncError,
@@ -379,9 +379,14 @@ class DeviceActor:
         :raises ~gsync.SyncTimeout: when this device's optimizer step stalls.
         """
         try:
+            first = True
             async with shards:
                 async for shard in shards:
-                    await self._in_thread(self._forward_backward, shard)
+                    if first and self._context.first_step is not None:
+                        await self._first_forward_backward(shard, self._context.first_step)
+                        first = False
+                    else:
+                        await self._in_thread(self._forward_backward, shard)
                     if not await self._await_sync(shard.step):
                         return
             message = await self.mailbox.receive()
@@ -389,6 +394,14 @@ class DeviceActor:
                 raise SyncFailed(self.step, None, f"protocol error: {message!r} after the last step")
         finally:
             self.mailbox.close()
+
+    async def _first_forward_backward(self, shard: Shard, turns: FirstStepInTurn) -> None:
+        """The session's first forward and backward, after the device before this one's."""
+        try:
+            await turns.wait_turn(self.index)
+            await self._in_thread(self._forward_backward, shard)
+        finally:
+            turns.done(self.index)
 
     async def _await_sync(self, step: int) -> bool:
         self.waiting = True

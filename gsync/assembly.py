@@ -25,7 +25,7 @@ from .comm.compressed import CompressedCollective
 from .comm.local import LocalCollective
 from .comm.nccl import NcclCollective
 from .comm.process_group import ProcessGroupCollective
-from .context import ActorContext, Recipe, ReplicaFingerprints, Shard
+from .context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints, Shard
 from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
 from .mailbox import Mailbox
 from .messages import ServerMessage, SessionMessage
@@ -120,6 +120,7 @@ def assemble(
         streams=streams,
         # One device in the whole run and no compression: a reduction is the identity.
         direct_grads=collective.world_devices == 1 and engine.compression is None,
+        first_step=FirstStepInTurn(len(replicas)),
     )
     shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
     actors = []

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import anyio
 import torch
 from torch import nn
 
@@ -102,6 +103,31 @@ class ReplicaFingerprints:
             raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
 
 
+class FirstStepInTurn:
+    """A session's first forward and backward run one device at a time, in device order.
+
+    Torch sets up some CPU kernels on their first use in a process, and when
+    two threads make those first calls at once, one of them now and then
+    gets a result that differs in the last bit (reproduced in plain PyTorch,
+    two threads and no gsync: 1 fresh process in 30). Runs must be
+    reproducible to the bit (a resumed run ends exactly where an
+    uninterrupted one does), so the first step, where the first uses
+    happen, is taken in turn; every later step runs concurrently. The cost
+    is one step's overlap per session.
+    """
+
+    def __init__(self, devices: int) -> None:
+        self._done = [anyio.Event() for _ in range(devices)]
+
+    async def wait_turn(self, index: int) -> None:
+        if index > 0:
+            await self._done[index - 1].wait()
+
+    def done(self, index: int) -> None:
+        """``index``'s first step ended (or failed: the next device goes on, and stops if the session is ending)."""
+        self._done[index].set()
+
+
 @dataclass
 class ActorContext:
     """What every actor of one session shares.
@@ -126,6 +152,8 @@ class ActorContext:
     bucket_cap_bytes: int = 25 << 20
     streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
     """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
+    first_step: FirstStepInTurn | None = None
+    """The devices' turns for the first step (see :class:`FirstStepInTurn`); ``None``: all at once."""
     direct_grads: bool = False
     """The run has one device in all and reduces nothing: gradients stay where autograd put them (no copy into
     the buckets), as in a plain loop."""

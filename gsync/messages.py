@@ -79,7 +79,12 @@ class BucketReady(_Message):
 
 
 class BucketReduced(_Message):
-    """The all-reduce of ``bucket`` for ``step`` finished on every device."""
+    """The all-reduces of ``step``'s buckets up to and including ``bucket`` finished on every device.
+
+    Reductions run in bucket order on one thread, so one message covers every
+    bucket before it: the communication thread reports only when no later
+    bucket of the step is queued behind this one.
+    """
 
     step: int
     bucket: int

@@ -49,6 +49,7 @@ __all__ = ("SyncServer",)
 logger = logging.getLogger("gsync")
 
 _FINISH = -1
+_NOTHING_UNUSED: frozenset[int] = frozenset()
 
 
 class SyncServer:
@@ -93,6 +94,9 @@ class SyncServer:
         self._site_hooks = context.site_hooks
         self._abort = context.abort
         self._agreed = AgreedStep((), False, 0.0)
+        # The last (step, bucket) whose reduction was submitted: the communication
+        # thread reads it to leave a reduction's report to a later one queued behind it.
+        self._last_launch = (-1, -1)
         # Exceptions cannot travel in a message (messages are plain structs):
         # CommFailed names the (step, bucket) whose exception waits here.
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
@@ -126,7 +130,8 @@ class SyncServer:
         num_devices = len(self._devices)
         arrived = [bytearray(num_devices) for _ in range(num_buckets)]
         ready_count = [0] * num_buckets
-        unused: list[set[int] | None] = [None] * num_buckets
+        # Per bucket, the parameters no device has given a gradient so far (None: no device has reported).
+        unused: list[frozenset[int] | None] = [None] * num_buckets
         next_launch = 0
         reduced = 0
         losses_in = 0
@@ -145,24 +150,30 @@ class SyncServer:
             while not finished:
                 message = await self.mailbox.receive()
                 match message:
+                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
+                        # The most frequent message (devices x buckets per step): matched first.
+                        self._expect_step(step, at, message)
+                        self.bucket_ready_received += 1
+                        arrived[bucket][device] = 1
+                        ready_count[bucket] += 1
+                        if not missing:
+                            unused[bucket] = _NOTHING_UNUSED
+                        elif unused[bucket] is None:
+                            unused[bucket] = frozenset(missing)
+                        else:
+                            unused[bucket] &= frozenset(missing)  # type: ignore[operator]
+                        while next_launch < num_buckets and ready_count[next_launch] == num_devices:
+                            self._launch(step, next_launch, weights)
+                            next_launch += 1
                     case ForwardDone(step=at, loss=share, skip=device_skips):
                         self._expect_step(step, at, message)
                         loss += share
                         skip = skip or device_skips
                         losses_in += 1
                         finished = complete()
-                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
+                    case BucketReduced(step=at, bucket=through):
                         self._expect_step(step, at, message)
-                        self.bucket_ready_received += 1
-                        arrived[bucket][device] = 1
-                        ready_count[bucket] += 1
-                        unused[bucket] = set(missing) if unused[bucket] is None else unused[bucket] & set(missing)  # type: ignore[operator]
-                        while next_launch < num_buckets and ready_count[next_launch] == num_devices:
-                            self._launch(step, next_launch, weights)
-                            next_launch += 1
-                    case BucketReduced(step=at):
-                        self._expect_step(step, at, message)
-                        reduced += 1
+                        reduced = through + 1
                         finished = complete()
                     case StepFinished(step=at):
                         self._expect_step(step, at, message)
@@ -238,6 +249,7 @@ class SyncServer:
         # bucket may not even exist (the gradients stay in .grad).
         flats = [] if self._context.direct_grads else [device.bucket_buffer(bucket) for device in self._devices]
         nbytes = flats[0].numel() * flats[0].element_size() if flats else 0
+        self._last_launch = (step, bucket)
         self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
@@ -270,7 +282,15 @@ class SyncServer:
         if self._trace is not None:
             name = "finish_step" if bucket == _FINISH else "all_reduce"
             job = partial(self._traced, self._trace.span(name, step, bucket=bucket, nbytes=nbytes), job)
-        self.comm.submit(job, partial(self._on_comm_done, step, bucket))
+        superseded = None if bucket == _FINISH else partial(self._reduction_queued_after, step, bucket)
+        self.comm.submit(job, partial(self._on_comm_done, step, bucket), superseded)
+
+    def _reduction_queued_after(self, step: int, bucket: int) -> bool:
+        # In the communication thread. A later bucket of the step, once
+        # submitted, runs after this one on the same thread and reports both:
+        # a step of many buckets costs the loop a few wake-ups, not one per bucket.
+        launched_step, launched_bucket = self._last_launch
+        return launched_step == step and launched_bucket > bucket
 
     @staticmethod
     def _traced(span: AbstractContextManager[None], job: Callable[[], None]) -> None:

@@ -52,13 +52,16 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
     """The input layer's backward (the last to run) waits until bucket 0 was reduced.
 
     If reductions only started after backward returned, this would time out.
+    At step 1: the first step runs its devices in turn (FirstStepInTurn), so
+    there a device's backward cannot wait for the other device's buckets.
     """
     reduced_first_bucket = threading.Event()
+    backwards_in_thread = threading.local()
 
     class SignallingTrace(gsync.Trace):
         def record(self, event: gsync.TraceEvent) -> None:
             super().record(event)
-            if event.name == "all_reduce" and event.bucket == 0:
+            if event.name == "all_reduce" and event.bucket == 0 and event.step == 1:
                 reduced_first_bucket.set()
 
     class WaitForFirstReduction(torch.autograd.Function):
@@ -68,7 +71,10 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
 
         @staticmethod
         def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            if not reduced_first_bucket.wait(10):
+            # Each device's backward runs in that device's own thread, step after step.
+            step = backwards_in_thread.__dict__.setdefault("count", 0)
+            backwards_in_thread.count += 1
+            if step == 1 and not reduced_first_bucket.wait(10):
                 raise AssertionError("bucket 0 was not reduced while backward was running")
             return grad
 
@@ -80,14 +86,14 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
             return self.head(x)
 
     engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=SignallingTrace())
-    result = await engine.fit(Gated(), make_batches(1, 8), optimizer=sgd, loss_fn=classification_loss)
+    result = await engine.fit(Gated(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
 
     assert result.trace is not None
-    reductions = result.trace.select("all_reduce", 0)
+    reductions = result.trace.select("all_reduce", 1)
     assert [e.bucket for e in reductions] == list(range(result.stats.buckets))
     starts = [e.start_us for e in reductions]
     assert starts == sorted(starts)
-    assert reductions[0].end_us < min(e.end_us for e in result.trace.select("backward", 0))
+    assert reductions[0].end_us < min(e.end_us for e in result.trace.select("backward", 1))
 
 
 async def test_nothing_left_running_after_fit_and_fit_twice(no_leaks: None) -> None:

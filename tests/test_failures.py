@@ -75,11 +75,13 @@ async def test_several_failures_report_the_earliest_and_keep_the_others(no_leaks
             raise KeyError("device 0")
         return classification_loss(model, batch)
 
-    batch = make_batches(1, 12)[0]
+    first, batch = make_batches(2, 12)
+    first[0][:, 0] = -1.0
     batch[0][:, 0] = torch.arange(12) // 4  # each row names the device of its shard
     engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"])
     with pytest.raises(gsync.WorkerFailed) as caught:
-        await engine.fit(TiedNet(), [batch], optimizer=sgd, loss_fn=loss_fn)
+        # At step 1: a session's first step runs its devices in turn (FirstStepInTurn), later ones at once.
+        await engine.fit(TiedNet(), [first, batch], optimizer=sgd, loss_fn=loss_fn)
     error = caught.value
     reported = [error, *error.others]
     assert sorted(e.device_index for e in reported) == [0, 2]  # type: ignore[attr-defined]

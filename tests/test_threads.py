@@ -1,0 +1,96 @@
+"""The bridge from gsync's threads to the event loop (``LoopHandle``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from gsync._threads import LoopHandle
+
+
+def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:
+    """Count the loop's ``call_soon_threadsafe`` calls: each one writes to its self-pipe and wakes it."""
+    count = [0]
+    original = loop.call_soon_threadsafe
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+    return count
+
+
+async def _until(predicate: Any) -> None:
+    # Each turn of the loop runs the callbacks already scheduled; no sleeping on the clock.
+    for _ in range(1000):
+        if predicate():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the callbacks never ran")
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_callbacks_from_threads_wakes_the_loop_once_and_keeps_each_threads_order() -> None:
+    wakeups = _counting_wakeups(asyncio.get_running_loop())
+    handle = LoopHandle()
+    ran: list[tuple[str, int]] = []
+
+    def post(name: str) -> None:
+        for index in range(50):
+            assert handle.call_soon(ran.append, (name, index))
+
+    posters = [threading.Thread(target=post, args=(name,)) for name in ("a", "b", "c")]
+    # The loop is busy (this coroutine does not yield) while the threads post: one wake-up carries them all.
+    for poster in posters:
+        poster.start()
+    for poster in posters:
+        poster.join()
+    assert wakeups[0] == 1
+    await _until(lambda: len(ran) == 150)
+    for name in ("a", "b", "c"):
+        assert [index for who, index in ran if who == name] == list(range(50))
+    # Once the loop has drained the burst, the next post wakes it again.
+    handle.call_soon(ran.append, ("d", 0))
+    assert wakeups[0] == 2
+    await _until(lambda: len(ran) == 151)
+
+
+@pytest.mark.asyncio
+async def test_a_raising_callback_does_not_drop_the_ones_queued_after_it() -> None:
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context["exception"]))
+    handle = LoopHandle()
+    ran: list[int] = []
+
+    def boom() -> None:
+        raise ValueError("a callback failed")
+
+    def post() -> None:
+        handle.call_soon(ran.append, 1)
+        handle.call_soon(boom)
+        handle.call_soon(ran.append, 2)
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    poster.join()
+    await _until(lambda: len(ran) == 2 and errors)
+    assert ran == [1, 2]
+    assert [str(error) for error in errors] == ["a callback failed"]
+
+
+def test_posting_to_a_closed_loop_says_so() -> None:
+    loop = asyncio.new_event_loop()
+    handle: list[LoopHandle] = []
+
+    async def make() -> None:
+        handle.append(LoopHandle())
+
+    loop.run_until_complete(make())
+    loop.close()
+    assert handle[0].call_soon(print) is False
+    assert handle[0].call_soon(print) is False
