@@ -3,9 +3,10 @@
 Per step the actor runs forward and backward in its worker thread, once per
 global batch the step accumulates. In the step's last backward, gradient
 hooks (in the thread where backward runs) count readiness per bucket and post
-one ``BucketReady`` per bucket to the sync server; the backward passes before
-it only add their weighted gradients into the buckets, so accumulation moves
-no bytes. Buckets with gradients that never arrived (unused parameters, or a
+one ``BucketReady`` per bucket to the sync server; the last bucket, complete
+only when backward returns, has no hooks once the plan is final and is taken
+in one pass after it. The backward passes before the last only add their
+weighted gradients into the buckets, so accumulation moves no bytes. Buckets with gradients that never arrived (unused parameters, or a
 device with an empty shard) are posted when the last backward returns, their
 missing slots left at zero. The actor then waits for ``StepSynced``, runs the
 optimizer step (with clipping, the GradScaler and the LR scheduler of the
@@ -97,10 +98,10 @@ class DeviceActor:
         self._direct = False
         self._got_grad = bytearray(len(self.params))
         self._losses = LossReadout(spec.torch_device)
-        self._hooks = [
-            param.register_post_accumulate_grad_hook(self._hook_for(position))
-            for position, param in enumerate(self.params)
-        ]
+        self._hooks: list[Any] = []
+        self._unhooked: tuple[int, ...] = ()
+        self._hooked_final_plan = False
+        self._install_hooks()
 
     @property
     def name(self) -> str:
@@ -133,6 +134,56 @@ class DeviceActor:
 
         return on_grad_ready
 
+    def _install_hooks(self) -> None:
+        """A readiness hook on every parameter, except the last bucket's once the bucket plan is final.
+
+        Each Python hook costs the thread running backward a turn at the
+        GIL, and with several device threads a wait for the others. The
+        last bucket is complete only when backward returns anyway, so its
+        gradients are taken then, in one pass, without hooks
+        (:meth:`_take_unhooked`). While the plan may still be rebuilt every
+        parameter keeps its hook: the first step's order is observed through them.
+        """
+        for hook in self._hooks:
+            hook.remove()
+        final = self._context.plan_final
+        last = frozenset(self.plan.buckets[-1].params) if final and self.plan.buckets else frozenset()
+        self._unhooked = tuple(position for position in range(len(self.params)) if position in last)
+        self._hooks = [
+            param.register_post_accumulate_grad_hook(self._hook_for(position))
+            for position, param in enumerate(self.params)
+            if position not in last
+        ]
+        self._hooked_final_plan = final
+
+    def _take_unhooked(self) -> None:
+        """After a backward: take the gradients of the parameters without a hook, as their hooks would have."""
+        params, got_grad = self.params, self._got_grad
+        # release() left every .grad None before this backward: a gradient now is this backward's.
+        arrived = [position for position in self._unhooked if params[position].grad is not None]
+        slots: list[torch.Tensor] = []
+        fresh: list[torch.Tensor] = []
+        for position in arrived:
+            grad = params[position].grad
+            if self._direct and not grad.is_sparse:  # type: ignore[union-attr]
+                continue
+            if grad.is_sparse or got_grad[position] or self._grad_scale != 1.0:  # type: ignore[union-attr]
+                self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
+            else:
+                view = self.grads.view(position)
+                slots.append(view)
+                fresh.append(grad)  # type: ignore[arg-type]
+                params[position].grad = view
+        if slots:
+            # One call for the bucket, not one per tensor (each releases and retakes the GIL).
+            torch._foreach_copy_(slots, fresh)
+        for position in arrived:
+            bucket = self.readiness.mark(position)
+            got_grad[position] = 1
+            if bucket is not None and self._posting:
+                self._context.streams.mark_ready(self.index, bucket)
+                self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
+
     def _enter(self, site: str) -> AbstractContextManager[None]:
         """Start a site (phase): stop here if the session is ending; the returned context runs the site hooks
         as it is entered, and times the phase (hooks included) when tracing."""
@@ -162,6 +213,7 @@ class DeviceActor:
         self.plan = self._context.plan
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.direct_grads)
         self.readiness = Readiness(self.plan)
+        self._install_hooks()
 
     def _autocast(self) -> AbstractContextManager[Any]:
         dtype = self._context.recipe.autocast
@@ -176,6 +228,8 @@ class DeviceActor:
             parts = [move_batch(data, self.spec.torch_device) for data in shard.data]
         if self.plan is not self._context.plan:
             self._adopt_plan()
+        elif self._context.plan_final and not self._hooked_final_plan:
+            self._install_hooks()
         weight = shard.weight
         batches = len(parts)
         readout = self._losses
@@ -204,6 +258,8 @@ class DeviceActor:
             with self._enter("backward"):
                 self.grads.release()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                if self._unhooked:
+                    self._take_unhooked()
             last_backward_ran = last
         if batches > 1:
             # Parameters that got gradients in earlier batches but not in the

@@ -152,6 +152,8 @@ class ActorContext:
     bucket_cap_bytes: int = 25 << 20
     streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
     """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
+    plan_final: bool = False
+    """No rebuild will replace ``plan`` any more (set by the sync server once the first step's order is applied)."""
     first_step: FirstStepInTurn | None = None
     """The devices' turns for the first step (see :class:`FirstStepInTurn`); ``None``: all at once."""
     direct_grads: bool = False

@@ -210,6 +210,7 @@ class SyncServer:
         if self._rebuild is not None and self.steps_synced == 1:
             # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
             self._rebuild.apply()
+            self._context.plan_final = True
         if agreed.skip:
             self.skipped_steps.append(step)
             logger.warning("gsync: step %d skipped on every device: a loss was not finite (on_nonfinite='skip')", step)
