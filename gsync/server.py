@@ -97,6 +97,9 @@ class SyncServer:
         # The last (step, bucket) whose reduction was submitted: the communication
         # thread reads it to leave a reduction's report to a later one queued behind it.
         self._last_launch = (-1, -1)
+        # The last (step, bucket) whose reduction finished, written by the communication thread: a timeout
+        # names as unreduced only what really never finished, reported or not.
+        self._reduced_through = (-1, -1)
         # Exceptions cannot travel in a message (messages are plain structs):
         # CommFailed names the (step, bucket) whose exception waits here.
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
@@ -193,7 +196,8 @@ class SyncServer:
                 for device in range(num_devices)
                 if not arrived[bucket][device]
             ]
-            unreduced = list(range(reduced, next_launch))
+            through_step, through_bucket = self._reduced_through
+            unreduced = list(range(max(reduced, through_bucket + 1 if through_step == step else 0), next_launch))
             stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
             last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
             site = "gradient sync"
@@ -263,6 +267,7 @@ class SyncServer:
         streams.before_reduce(bucket)
         if not flats:
             streams.after_reduce(bucket)
+            self._reduced_through = (step, bucket)
             return
         with streams.comm_streams():
             if isinstance(self._collective, CompressedCollective):
@@ -272,6 +277,7 @@ class SyncServer:
                 nbytes = flats[0].numel() * flats[0].element_size()
         streams.after_reduce(bucket)
         self.reduced_bytes += nbytes
+        self._reduced_through = (step, bucket)
 
     def _broadcast_buffers(self, step: int) -> None:
         streams = self._context.streams

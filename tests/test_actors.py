@@ -179,7 +179,7 @@ class ServerRig:
 
 
 @asynccontextmanager
-async def server_rig(sync_timeout: float = WAIT_S) -> AsyncIterator[ServerRig]:
+async def server_rig(sync_timeout: float = WAIT_S, site_hooks: tuple[Any, ...] = ()) -> AsyncIterator[ServerRig]:
     loop = LoopHandle()
     plan = server_plan()
     trace = gsync.Trace()
@@ -194,6 +194,7 @@ async def server_rig(sync_timeout: float = WAIT_S) -> AsyncIterator[ServerRig]:
         abort=threading.Event(),
         sync_timeout=sync_timeout,
         trace=trace,
+        site_hooks=site_hooks,
         streams=make_stream_sync([torch.device("cpu")] * 2, len(plan.buckets)),
     )
     devices = [FakeDevice(i, plan, loop) for i in range(2)]
@@ -343,6 +344,33 @@ async def test_server_raises_sync_failed_on_a_protocol_error(messages: list[Serv
         assert repr(messages[-1]) in str(caught.value)
         assert rig.launches() == []
         assert rig.mailbox.closed
+
+
+async def test_a_hung_reduction_times_out_naming_only_the_buckets_not_reduced() -> None:
+    # Bucket 0 finishes; bucket 1's collective hangs. Bucket 0's completion may never have been
+    # reported (the communication thread leaves it to bucket 1's report), yet it is not blamed.
+    calls: list[int] = []
+    released = threading.Event()
+
+    def hang_second_reduction(device: int, step: int, site: str, abort: threading.Event) -> None:
+        calls.append(step)
+        if len(calls) == 2:
+            released.wait(WAIT_S)
+
+    async with server_rig(sync_timeout=0.3, site_hooks=(hang_second_reduction,)) as rig:
+        try:
+            rig.fill(0)
+            rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+            for device in range(2):
+                rig.mailbox.post(ForwardDone(device, 0, 0.5))
+                for bucket in range(3):
+                    rig.ready(device, bucket)
+            with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncTimeout) as caught:
+                await rig.server.run()
+            assert caught.value.unreduced == (1, 2)
+            assert caught.value.missing == ()
+        finally:
+            released.set()
 
 
 async def test_server_stall_raises_sync_timeout_naming_the_missing_device_and_bucket() -> None:
