@@ -50,7 +50,9 @@ class LoopHandle:
             self._wake = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_closed = lambda: False
         self._lock = threading.Lock()
-        # Non-empty exactly while a wake-up is scheduled that will run it.
+        # Non-empty while a wake-up that will run it is scheduled (or about to be, by the
+        # poster that made it non-empty). If the loop closes meanwhile, what is queued is
+        # dropped: nothing is left to run it, as with a closed loop's own call_soon_threadsafe.
         self._pending: list[tuple[Callable[..., object], tuple[object, ...]]] = []
 
     def call_soon(self, callback: Callable[..., object], *args: object) -> bool:

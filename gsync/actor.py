@@ -13,8 +13,9 @@ optimizer step (with clipping, the GradScaler and the LR scheduler of the
 recipe) in its thread, and posts ``StepApplied`` to the session.
 
 Nothing heavy runs on the event loop. If the actor is cancelled mid-job, the
-job stops at its next phase boundary or gradient hook, which poll the
-session's abort flag; its result is discarded.
+job stops at its next phase boundary or gradient hook (the last bucket has
+none once the plan is final), which poll the session's abort flag; its
+result is discarded.
 """
 
 from __future__ import annotations
@@ -139,9 +140,11 @@ class DeviceActor:
 
         Each Python hook costs the thread running backward a turn at the
         GIL, and with several device threads a wait for the others. The
-        last bucket is complete only when backward returns anyway, so its
-        gradients are taken then, in one pass, without hooks
-        (:meth:`_take_unhooked`). While the plan may still be rebuilt every
+        last bucket is launched after every other bucket, so never before
+        backward's last gradient: taking its gradients when backward
+        returns, in one pass without hooks (:meth:`_take_unhooked`), costs
+        no overlap. (A parameter of it reached twice by backward, which a
+        hook reports as an error, is then simply summed, as in a plain loop.) While the plan may still be rebuilt every
         parameter keeps its hook: the first step's order is observed through them.
         """
         for hook in self._hooks:
@@ -438,12 +441,13 @@ class DeviceActor:
             first = True
             async with shards:
                 async for shard in shards:
-                    if first and self._context.first_step is not None:
-                        await self._first_forward_backward(shard, self._context.first_step)
-                        first = False
+                    turns = self._context.first_step if first else None
+                    first = False
+                    if turns is not None:
+                        await self._first_forward_backward(shard, turns)
                     else:
                         await self._in_thread(self._forward_backward, shard)
-                    if not await self._await_sync(shard.step):
+                    if not await self._await_sync(shard.step, turns):
                         return
             message = await self.mailbox.receive()
             if not isinstance(message, Close):
@@ -453,18 +457,33 @@ class DeviceActor:
 
     async def _first_forward_backward(self, shard: Shard, turns: FirstStepInTurn) -> None:
         """The session's first forward and backward, after the device before this one's."""
+        phase = "forward_backward"
         try:
-            await turns.wait_turn(self.index)
+            if self.index > 0:
+                # Seen by the heartbeat and a timeout as waiting on a peer device, not as stuck.
+                self.step, self.site, self.waiting = shard.step, "waiting for its first-step turn", True
+                await turns.wait_turn(phase, self.index)
+                self.waiting = False
             await self._in_thread(self._forward_backward, shard)
         finally:
-            turns.done(self.index)
+            turns.done(phase, self.index)
 
-    async def _await_sync(self, step: int) -> bool:
+    async def _await_sync(self, step: int, turns: FirstStepInTurn | None = None) -> bool:
+        """Wait for ``step``'s sync and apply it; ``turns``: the first step's, whose optimizer steps go in turn."""
         self.waiting = True
         # Left set when the wait ends in cancellation: a device whose run is
         # ending while it waited for the sync was waiting, not stuck.
         message = await self.mailbox.receive()
+        if turns is not None:
+            await turns.wait_turn("optimizer", self.index)
         self.waiting = False
+        try:
+            return await self._apply_synced(step, message)
+        finally:
+            if turns is not None:
+                turns.done("optimizer", self.index)
+
+    async def _apply_synced(self, step: int, message: DeviceMessage) -> bool:
         match message:
             case StepSynced(step=synced_step, skip=skip) if synced_step == step:
                 if skip:

@@ -120,7 +120,12 @@ def assemble(
         streams=streams,
         # One device in the whole run and no compression: a reduction is the identity.
         direct_grads=collective.world_devices == 1 and engine.compression is None,
-        first_step=FirstStepInTurn(len(replicas)),
+        # CPU kernels only: on GPUs the devices' first steps stay concurrent.
+        first_step=(
+            FirstStepInTurn(len(replicas))
+            if len(replicas) > 1 and all(spec.torch_device.type == "cpu" for spec in engine.devices)
+            else None
+        ),
     )
     shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
     actors = []

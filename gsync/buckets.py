@@ -9,8 +9,9 @@ plan, so bucket ``b`` means the same bytes everywhere.
 Each replica's ``.grad`` tensors are views into its bucket buffers for the
 reduction and the optimizer step (DDP's ``gradient_as_bucket_view``), so
 reducing a bucket needs no gather or scatter. During backward ``.grad`` is
-``None`` and the readiness hook copies each fresh gradient into its slot
-once (see :class:`ReplicaGrads`).
+``None`` and each fresh gradient is copied into its slot once: by its
+readiness hook, or for the last bucket's parameters (which have no hook once
+the plan is final) in one pass when backward returns (see :class:`ReplicaGrads`).
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ class ReplicaGrads:
     """One replica's bucket buffers, and its parameters' ``.grad`` as views into them.
 
     During backward the parameters' ``.grad`` is ``None``: autograd then
-    hands each gradient over as a fresh tensor without copying it, and the
-    readiness hook copies it into the bucket once (:meth:`take`). Zeroing the
+    hands each gradient over as a fresh tensor without copying it, and it is
+    copied into the bucket once (:meth:`take`, or one foreach copy for the
+    last bucket when backward returns). Zeroing the
     buckets first and letting autograd add into them would cost two more
     passes over every gradient per step. After backward every ``.grad`` is a
     view again, for the reduction and the optimizer.

@@ -104,7 +104,7 @@ class ReplicaFingerprints:
 
 
 class FirstStepInTurn:
-    """A session's first forward and backward run one device at a time, in device order.
+    """A session's first step runs its CPU devices one at a time, in device order.
 
     Torch sets up some CPU kernels on their first use in a process, and when
     two threads make those first calls at once, one of them now and then
@@ -112,20 +112,28 @@ class FirstStepInTurn:
     two threads and no gsync: 1 fresh process in 30). Runs must be
     reproducible to the bit (a resumed run ends exactly where an
     uninterrupted one does), so the first step, where the first uses
-    happen, is taken in turn; every later step runs concurrently. The cost
-    is one step's overlap per session.
+    happen, takes its forward and backward, and then its optimizer step, in
+    turn; every later step runs its devices at once. The cost is one step's
+    overlap per session.
     """
 
+    PHASES = ("forward_backward", "optimizer")
+
     def __init__(self, devices: int) -> None:
-        self._done = [anyio.Event() for _ in range(devices)]
+        self.devices = devices
+        self._done = {phase: [anyio.Event() for _ in range(devices)] for phase in self.PHASES}
 
-    async def wait_turn(self, index: int) -> None:
+    async def wait_turn(self, phase: str, index: int) -> None:
         if index > 0:
-            await self._done[index - 1].wait()
+            await self._done[phase][index - 1].wait()
 
-    def done(self, index: int) -> None:
-        """``index``'s first step ended (or failed: the next device goes on, and stops if the session is ending)."""
-        self._done[index].set()
+    def done(self, phase: str, index: int) -> None:
+        """``index``'s turn ended (or failed: the next device goes on, and stops if the session is ending)."""
+        self._done[phase][index].set()
+
+    def queued(self, index: int) -> bool:
+        """Whether device ``index`` is (or will be) waiting behind another device's first forward and backward."""
+        return index > 0 and not self._done["forward_backward"][index - 1].is_set()
 
 
 @dataclass

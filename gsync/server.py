@@ -149,7 +149,10 @@ class SyncServer:
             no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
             return self._finish_step(StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last))
 
-        with anyio.move_on_after(self._timeout) as deadline:
+        turns = self._context.first_step if self.steps_synced == 0 else None
+        # The first step of CPU devices runs them one after another (FirstStepInTurn): it may take as many times longer.
+        timeout = self._timeout * (turns.devices if turns is not None else 1)
+        with anyio.move_on_after(timeout) as deadline:
             while not finished:
                 message = await self.mailbox.receive()
                 match message:
@@ -190,15 +193,17 @@ class SyncServer:
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
+            # A device still waiting for its first-step turn is held up by the one before it, which is named.
+            blamed = [device for device in range(num_devices) if turns is None or not turns.queued(device)]
             missing_pairs = [
                 (self._devices[device].name, bucket)
                 for bucket in range(num_buckets)
-                for device in range(num_devices)
+                for device in blamed
                 if not arrived[bucket][device]
             ]
             through_step, through_bucket = self._reduced_through
             unreduced = list(range(max(reduced, through_bucket + 1 if through_step == step else 0), next_launch))
-            stalled = {device for device in range(num_devices) if not all(arrived[b][device] for b in range(num_buckets))}
+            stalled = {device for device in blamed if not all(arrived[b][device] for b in range(num_buckets))}
             last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
             site = "gradient sync"
             if reduced == num_buckets and losses_in < num_devices:
@@ -207,7 +212,7 @@ class SyncServer:
                 site = "closing collectives (buffer broadcast, agreement across processes)"
             elif not missing_pairs:
                 site = "gradient sync (waiting on the collective; with several processes, on another rank)"
-            raise SyncTimeout(step, self._timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
+            raise SyncTimeout(step, timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
 
         agreed = self._agreed
         self.steps_synced += 1
@@ -254,8 +259,9 @@ class SyncServer:
         # bucket may not even exist (the gradients stay in .grad).
         flats = [] if self._context.direct_grads else [device.bucket_buffer(bucket) for device in self._devices]
         nbytes = flats[0].numel() * flats[0].element_size() if flats else 0
-        self._last_launch = (step, bucket)
         self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
+        # Only once the job is queued: a reduction before it may then leave its report to this one.
+        self._last_launch = (step, bucket)
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         if self._abort.is_set():

@@ -100,6 +100,26 @@ async def test_collective_failure_is_sync_failed_naming_bucket_and_step(no_leaks
     assert caught.value.last_step == 2
 
 
+@pytest.mark.parametrize("site", ["forward", "optimizer"])
+async def test_a_stall_in_the_first_step_names_the_stalled_device_not_those_waiting_their_turn(
+    site: str, no_leaks: None
+) -> None:
+    # The first step runs CPU devices one after another (FirstStepInTurn): cpu:1 and cpu:2 wait behind cpu:0.
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], sync_timeout=0.3)
+    fault = gsync.testing.stall(device=0, step=0, site=site)  # type: ignore[arg-type]
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        await engine.fit(TiedNet(), **fit_args())
+    error = caught.value
+    assert error.step == 0
+    assert error.stalled_devices == ("cpu:0",)
+    assert "cpu:1" not in str(error) and "cpu:2" not in str(error)
+    if site == "forward":
+        # The server's deadline for the first step allows for the turns: 3 x 0.3 s.
+        assert error.timeout == pytest.approx(0.9)
+        assert {d for d, _ in error.missing} == {"cpu:0"}
+        assert error.last_seen == {"cpu:0": "step 0, forward"}
+
+
 @pytest.mark.parametrize("site", ["forward", "backward", "optimizer"])
 async def test_stalled_device_raises_sync_timeout_naming_it(site: str, no_leaks: None) -> None:
     engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gsync._threads import LoopHandle
+from gsync._threads import LoopHandle, Outcome, WorkerThread
 
 
 def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:
@@ -94,3 +94,23 @@ def test_posting_to_a_closed_loop_says_so() -> None:
     loop.close()
     assert handle[0].call_soon(print) is False
     assert handle[0].call_soon(print) is False
+
+
+@pytest.mark.asyncio
+async def test_a_superseded_success_is_not_reported_but_a_failure_always_is() -> None:
+    worker = WorkerThread("gsync-test", LoopHandle())
+    reports: list[tuple[str, Outcome[None]]] = []
+
+    def fail() -> None:
+        raise OSError("link down")
+
+    worker.submit(lambda: None, lambda outcome: reports.append(("superseded", outcome)), lambda: True)
+    worker.submit(fail, lambda outcome: reports.append(("failed", outcome)), lambda: True)
+    worker.submit(lambda: None, lambda outcome: reports.append(("last", outcome)), lambda: False)
+    try:
+        await _until(lambda: len(reports) == 2)
+    finally:
+        worker.stop()
+        assert await worker.join(5)
+    assert [name for name, _ in reports] == ["failed", "last"]
+    assert isinstance(reports[0][1].error, OSError) and reports[1][1].error is None
