@@ -3,10 +3,11 @@
 Per step the actor runs forward and backward in its worker thread, once per
 global batch the step accumulates. In the step's last backward, gradient
 hooks (in the thread where backward runs) count readiness per bucket and post
-one ``BucketReady`` per bucket to the sync server; the last bucket, complete
-only when backward returns, has no hooks once the plan is final and is taken
-in one pass after it. The backward passes before the last only add their
-weighted gradients into the buckets, so accumulation moves no bytes. Buckets with gradients that never arrived (unused parameters, or a
+one ``BucketReady`` per bucket to the sync server; the last bucket, launched
+after all others anyway, has no hooks once the plan is final and is taken in
+one pass when backward returns. The backward passes before the last only add
+their weighted gradients into the buckets, so accumulation moves no bytes.
+Buckets with gradients that never arrived (unused parameters, or a
 device with an empty shard) are posted when the last backward returns, their
 missing slots left at zero. The actor then waits for ``StepSynced``, runs the
 optimizer step (with clipping, the GradScaler and the LR scheduler of the
@@ -144,8 +145,9 @@ class DeviceActor:
         backward's last gradient: taking its gradients when backward
         returns, in one pass without hooks (:meth:`_take_unhooked`), costs
         no overlap. (A parameter of it reached twice by backward, which a
-        hook reports as an error, is then simply summed, as in a plain loop.) While the plan may still be rebuilt every
-        parameter keeps its hook: the first step's order is observed through them.
+        hook reports as an error, is then simply summed, as in a plain
+        loop.) While the plan may still be rebuilt every parameter keeps its
+        hook: the first step's order is observed through them.
         """
         for hook in self._hooks:
             hook.remove()

@@ -179,7 +179,7 @@ class SyncServer:
                         finished = complete()
                     case BucketReduced(step=at, bucket=through):
                         self._expect_step(step, at, message)
-                        reduced = through + 1
+                        reduced = max(reduced, through + 1)
                         finished = complete()
                     case StepFinished(step=at):
                         self._expect_step(step, at, message)
