@@ -131,10 +131,14 @@ class DeviceActor:
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
-                context.streams.mark_ready(self.index, bucket)
-                context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
+                self._post_ready(bucket)
 
         return on_grad_ready
+
+    def _post_ready(self, bucket: int, unused: tuple[int, ...] = ()) -> None:
+        """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes)."""
+        self._context.streams.mark_ready(self.index, bucket)
+        self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
 
     def _install_hooks(self) -> None:
         """A readiness hook on every parameter, except the last bucket's once the bucket plan is final.
@@ -186,8 +190,7 @@ class DeviceActor:
             bucket = self.readiness.mark(position)
             got_grad[position] = 1
             if bucket is not None and self._posting:
-                self._context.streams.mark_ready(self.index, bucket)
-                self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket))
+                self._post_ready(bucket)
 
     def _enter(self, site: str) -> AbstractContextManager[None]:
         """Start a site (phase): stop here if the session is ending; the returned context runs the site hooks
@@ -311,8 +314,7 @@ class DeviceActor:
                     self.params[position].grad = None
             else:
                 self.grads.fill_missing(unused)
-            self._context.streams.mark_ready(self.index, bucket)
-            self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
+            self._post_ready(bucket, unused)
 
     def _learning_rate(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
