@@ -91,3 +91,55 @@ async def test_a_burst_of_queued_messages_is_read_in_one_loop_iteration() -> Non
     finally:
         box.discard()
     assert [m.bucket for m in received] == list(range(100))  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_messages_a_thread_posted_are_read_before_the_loop_runs_their_drain() -> None:
+    box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
+    poster = threading.Thread(target=lambda: [box.post_threadsafe(BucketReady(d, 0, 0)) for d in range(3)])
+    poster.start()
+    poster.join()
+    other_ran = anyio.Event()
+
+    async def other() -> None:
+        other_ran.set()
+
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(other)
+            received = [await box.receive() for _ in range(3)]
+            # Taken at once: no loop iteration (which would run the other task and the drain) came between.
+            assert not other_ran.is_set()
+    finally:
+        box.discard()
+    assert [m.device for m in received] == [0, 1, 2]  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_closing_wakes_a_reader_waiting_on_an_empty_mailbox() -> None:
+    box: Mailbox[DeviceMessage] = Mailbox("device cpu:0", LoopHandle())
+    outcome: list[BaseException] = []
+
+    async def reader() -> None:
+        try:
+            await box.receive()
+        except gsync.MailboxClosed as error:
+            outcome.append(error)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as group:
+            group.start_soon(reader)
+            await anyio.wait_all_tasks_blocked()
+            box.close()
+    assert len(outcome) == 1
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_read_loses_no_message() -> None:
+    box: Mailbox[DeviceMessage] = Mailbox("device cpu:0", LoopHandle())
+    with anyio.move_on_after(0.01):
+        await box.receive()
+    box.post(StepSynced(3))
+    with anyio.fail_after(5):
+        assert await box.receive() == StepSynced(3)
+    box.discard()
