@@ -144,15 +144,15 @@ class WorkerThread:
         self,
         fn: Callable[[], T],
         on_done: Callable[[Outcome[T]], object],
-        superseded: Callable[[], bool] | None = None,
+        report_success: bool = True,
     ) -> None:
         """Run ``fn()`` in the thread, then ``on_done(outcome)`` on the event loop.
 
         After :meth:`stop`, ``on_done`` gets a :class:`FitAborted` outcome instead.
 
-        ``superseded``, when given, is asked in the thread after ``fn`` returns:
-        ``True`` skips ``on_done`` for this success, because a job already
-        queued behind it reports for both (a failure is always reported).
+        ``report_success=False`` skips ``on_done`` when ``fn`` returns: for a
+        job whose success a later job's report implies (a failure is always
+        reported).
 
         ``on_done`` is dropped silently if the loop has closed by then: nobody
         is left to receive it.
@@ -164,7 +164,7 @@ class WorkerThread:
             except BaseException as error:  # noqa: BLE001 - handed to the loop, never swallowed
                 outcome = Outcome(error=error)
             else:
-                if superseded is not None and superseded():
+                if not report_success:
                     return
             self._loop.call_soon(on_done, outcome)
 

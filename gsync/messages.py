@@ -82,8 +82,8 @@ class BucketReduced(_Message):
     """The all-reduces of ``step``'s buckets up to and including ``bucket`` finished on every device.
 
     Reductions run in bucket order on one thread, so one message covers every
-    bucket before it: the communication thread reports only when no later
-    bucket of the step is queued behind this one.
+    bucket before it: the communication thread sends it once per step, for
+    the last bucket.
     """
 
     step: int

@@ -94,9 +94,6 @@ class SyncServer:
         self._site_hooks = context.site_hooks
         self._abort = context.abort
         self._agreed = AgreedStep((), False, 0.0)
-        # The last (step, bucket) whose reduction was submitted: the communication
-        # thread reads it to leave a reduction's report to a later one queued behind it.
-        self._last_launch = (-1, -1)
         # The last (step, bucket) whose reduction finished, written by the communication thread: a timeout
         # names as unreduced only what really never finished, reported or not.
         self._reduced_through = (-1, -1)
@@ -260,8 +257,6 @@ class SyncServer:
         flats = [] if self._context.direct_grads else [device.bucket_buffer(bucket) for device in self._devices]
         nbytes = flats[0].numel() * flats[0].element_size() if flats else 0
         self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
-        # Only once the job is queued: a reduction before it may then leave its report to this one.
-        self._last_launch = (step, bucket)
 
     def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
         if self._abort.is_set():
@@ -295,15 +290,12 @@ class SyncServer:
         if self._trace is not None:
             name = "finish_step" if bucket == _FINISH else "all_reduce"
             job = partial(self._traced, self._trace.span(name, step, bucket=bucket, nbytes=nbytes), job)
-        superseded = None if bucket == _FINISH else partial(self._reduction_queued_after, step, bucket)
-        self.comm.submit(job, partial(self._on_comm_done, step, bucket), superseded)
-
-    def _reduction_queued_after(self, step: int, bucket: int) -> bool:
-        # In the communication thread. A later bucket of the step, once
-        # submitted, runs after this one on the same thread and reports both:
-        # a step of many buckets costs the loop a few wake-ups, not one per bucket.
-        launched_step, launched_bucket = self._last_launch
-        return launched_step == step and launched_bucket > bucket
+        # Reductions run in bucket order on one thread, so the step's last one
+        # finishing means all have: only its success is worth waking the loop
+        # for (a failure always is). A timeout reads how far they got from
+        # ``_reduced_through`` instead.
+        report_success = bucket == _FINISH or bucket == len(self._context.plan.buckets) - 1
+        self.comm.submit(job, partial(self._on_comm_done, step, bucket), report_success=report_success)
 
     @staticmethod
     def _traced(span: AbstractContextManager[None], job: Callable[[], None]) -> None:

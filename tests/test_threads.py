@@ -97,16 +97,16 @@ def test_posting_to_a_closed_loop_says_so() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_superseded_success_is_not_reported_but_a_failure_always_is() -> None:
+async def test_a_success_not_to_report_is_not_reported_but_a_failure_always_is() -> None:
     worker = WorkerThread("gsync-test", LoopHandle())
     reports: list[tuple[str, Outcome[None]]] = []
 
     def fail() -> None:
         raise OSError("link down")
 
-    worker.submit(lambda: None, lambda outcome: reports.append(("superseded", outcome)), lambda: True)
-    worker.submit(fail, lambda outcome: reports.append(("failed", outcome)), lambda: True)
-    worker.submit(lambda: None, lambda outcome: reports.append(("last", outcome)), lambda: False)
+    worker.submit(lambda: None, lambda outcome: reports.append(("quiet", outcome)), report_success=False)
+    worker.submit(fail, lambda outcome: reports.append(("failed", outcome)), report_success=False)
+    worker.submit(lambda: None, lambda outcome: reports.append(("last", outcome)))
     try:
         await _until(lambda: len(reports) == 2)
     finally:
