@@ -137,8 +137,12 @@ class DeviceActor:
 
     def _post_ready(self, bucket: int, unused: tuple[int, ...] = ()) -> None:
         """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes)."""
-        self._context.streams.mark_ready(self.index, bucket)
-        self._context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused))
+        context = self._context
+        context.streams.mark_ready(self.index, bucket)
+        # Only the post that completes the bucket on every device wakes the server; the rest ride along.
+        context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused), wake=False)
+        if context.arrivals.completes(bucket):
+            context.server.wake()
 
     def _install_hooks(self) -> None:
         """A readiness hook on every parameter, except the last bucket's once the bucket plan is final.

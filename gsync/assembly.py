@@ -25,7 +25,7 @@ from .comm.compressed import CompressedCollective
 from .comm.local import LocalCollective
 from .comm.nccl import NcclCollective
 from .comm.process_group import ProcessGroupCollective
-from .context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints, Shard
+from .context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints, Shard
 from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
 from .mailbox import Mailbox
 from .messages import ServerMessage, SessionMessage
@@ -126,6 +126,7 @@ def assemble(
             if len(replicas) > 1 and all(spec.torch_device.type == "cpu" for spec in engine.devices)
             else None
         ),
+        arrivals=LastArrivals(len(replicas), len(plan.names)),
     )
     shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
     actors = []

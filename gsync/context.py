@@ -6,6 +6,7 @@ them imports another's module for a shared type.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -103,6 +104,27 @@ class ReplicaFingerprints:
             raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
 
 
+class LastArrivals:
+    """Tells which device's ``BucketReady`` completes a bucket on every device of the process.
+
+    Only that post needs to wake the sync server, which can launch a bucket
+    only once every device has posted it; the others ride along with it.
+    Every device posts every bucket exactly once per step, and none posts
+    for the next step before the server has every post of this one, so a
+    count per bucket, modulo the device count, names the last poster. No
+    lock: ``next`` on an ``itertools.count`` is atomic under the GIL.
+    """
+
+    def __init__(self, devices: int, max_buckets: int) -> None:
+        self._devices = devices
+        # A bucket holds at least one parameter, so no plan has more buckets than parameters.
+        self._counts = [itertools.count(1) for _ in range(max_buckets if devices > 1 else 0)]
+
+    def completes(self, bucket: int) -> bool:
+        """Count one device's post of ``bucket``; whether it was the last device's. Call after posting."""
+        return self._devices == 1 or next(self._counts[bucket]) % self._devices == 0
+
+
 class FirstStepInTurn:
     """A session's first step runs its CPU devices one at a time, in device order.
 
@@ -164,6 +186,8 @@ class ActorContext:
     """No rebuild will replace ``plan`` any more (set by the sync server once the first step's order is applied)."""
     first_step: FirstStepInTurn | None = None
     """The devices' turns for the first step (see :class:`FirstStepInTurn`); ``None``: all at once."""
+    arrivals: LastArrivals = field(default_factory=lambda: LastArrivals(1, 0))
+    """Which device's post of a bucket wakes the sync server (see :class:`LastArrivals`)."""
     direct_grads: bool = False
     """The run has one device in all and reduces nothing: gradients stay where autograd put them (no copy into
     the buckets), as in a plain loop."""

@@ -68,7 +68,7 @@ class Mailbox(Generic[M]):
         self.post(message)
         return True
 
-    def post_threadsafe(self, message: M) -> None:
+    def post_threadsafe(self, message: M, wake: bool = True) -> None:
         """Deliver ``message`` from any thread; it is appended on the event loop.
 
         Messages posted from threads while the loop has not yet woken up for
@@ -76,15 +76,31 @@ class Mailbox(Generic[M]):
         the loop one wake-up, not one per message. Each poster's messages
         keep their order.
 
+        ``wake=False`` queues the message without waking the loop, for a
+        message the reader cannot act on alone: it is delivered, in order,
+        with the next post that wakes it (or by :meth:`wake`), or when the
+        reader next reads.
+
         :raises ~gsync.MailboxClosed: if the mailbox is closed or its loop has stopped.
         """
         if self._closed:
             raise MailboxClosed(self.owner, message)
         with self._lock:
             self._from_threads.append(message)
-            if self._drain_scheduled:
+            if not wake or self._drain_scheduled:
                 return
             self._drain_scheduled = True
+        self._schedule_drain(message)
+
+    def wake(self) -> None:
+        """From any thread: deliver what was posted with ``wake=False``, unless a wake-up is already on its way."""
+        with self._lock:
+            if self._drain_scheduled or not self._from_threads:
+                return
+            self._drain_scheduled = True
+        self._schedule_drain("<wake>")
+
+    def _schedule_drain(self, message: object) -> None:
         if not self._loop.call_soon(self._drain):
             # The loop is gone: nothing will ever drain, so refuse this and every later post.
             with self._lock:
@@ -106,8 +122,7 @@ class Mailbox(Generic[M]):
         A queued message is taken without yielding to the loop: a burst of
         messages, such as every device's ``BucketReady`` riding on one
         wake-up, is handled in one loop iteration rather than one per
-        message. Messages a thread posted whose drain has not run yet are
-        taken too. A reader yields (and sees cancellation) whenever its
+        message. A reader yields (and sees cancellation) whenever its
         mailbox runs empty, which the protocol bounds to a step's worth of
         messages; it then waits on its own event, with no extra loop
         iteration before it sleeps (anyio's memory streams spend one on a
@@ -115,21 +130,26 @@ class Mailbox(Generic[M]):
 
         :raises ~gsync.MailboxClosed: if the mailbox is closed and empty.
         """
-        queue = self._queue
         while True:
-            if queue:
-                return queue.popleft()
-            if self._from_threads:
-                # Posted by a thread, its drain not yet run: take it now rather than
-                # sleep until a later loop iteration runs the drain.
-                self._drain()
-                continue
+            message = self.receive_nowait()
+            if message is not None:
+                return message
             if self._closed:
                 raise MailboxClosed(self.owner, "<receive>")
             waiter = self._waiter
             if waiter is None:
                 waiter = self._waiter = anyio.Event()
             await waiter.wait()
+
+    def receive_nowait(self) -> M | None:
+        """The next message if one was posted, else ``None``; never waits.
+
+        Messages a thread posted are taken too, even before the loop has
+        run their drain (and those posted with ``wake=False``).
+        """
+        if not self._queue and self._from_threads:
+            self._drain()
+        return self._queue.popleft() if self._queue else None
 
     def close(self) -> None:
         """Refuse further posts; messages already queued can still be received."""

@@ -190,6 +190,10 @@ class SyncServer:
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
+            # Posts that did not wake the server (a bucket not yet complete everywhere) still count as arrived.
+            while (late := self.mailbox.receive_nowait()) is not None:
+                if isinstance(late, BucketReady) and late.step == step:
+                    arrived[late.bucket][late.device] = 1
             # A device still waiting for its first-step turn is held up by the one before it, which is named.
             blamed = [device for device in range(num_devices) if turns is None or not turns.queued(device)]
             missing_pairs = [

@@ -650,3 +650,32 @@ async def test_actor_wraps_a_loss_fn_error_in_worker_failed() -> None:
         assert rig.actor.failure is error
         assert rig.context.abort.is_set()
         assert await rig.remaining_server_messages() == []
+
+
+async def test_a_timeout_counts_the_posts_that_did_not_wake_the_server() -> None:
+    # Device 0 posts every bucket from its thread without waking the server (device 1 never
+    # completes them); the timeout must still see them as arrived and name only device 1.
+    async with server_rig(sync_timeout=0.3) as rig:
+        rig.fill(0)
+        rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+        for device in range(2):
+            rig.mailbox.post(ForwardDone(device, 0, 0.5))
+
+        def device_0_hooks() -> None:
+            for bucket in range(3):
+                rig.streams.mark_ready(0, bucket)
+                rig.mailbox.post_threadsafe(BucketReady(0, 0, bucket), wake=False)
+
+        async def device_0_posts_once_the_server_waits() -> None:
+            await anyio.wait_all_tasks_blocked()
+            poster = threading.Thread(target=device_0_hooks)
+            poster.start()
+            poster.join()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(device_0_posts_once_the_server_waits)
+            with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncTimeout) as caught:
+                await rig.server.run()
+        error = caught.value
+        assert {device for device, _ in error.missing} == {"fake:1"}
+        assert sorted(bucket for _, bucket in error.missing) == [0, 1, 2]

@@ -6,6 +6,7 @@ from torch import nn
 
 import gsync
 from gsync.buckets import BucketPlan, Readiness, ReplicaGrads
+from gsync.context import LastArrivals
 
 
 def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:
@@ -87,3 +88,12 @@ def test_a_lazy_replica_allocates_a_bucket_only_when_something_goes_through_it()
     touched = plan.bucket_of[2]
     assert [flat is not None for flat in grads._flats] == [b == touched for b in range(len(plan.buckets))]
     assert params[2].grad is not None and params[2].grad.data_ptr() == grads.view(2).data_ptr()
+
+
+def test_last_arrivals_names_the_last_device_to_post_each_bucket_every_step() -> None:
+    arrivals = LastArrivals(3, 2)
+    for _ in range(4):  # steps
+        assert [arrivals.completes(0) for _ in range(3)] == [False, False, True]
+        assert [arrivals.completes(1) for _ in range(3)] == [False, False, True]
+    alone = LastArrivals(1, 0)
+    assert all(alone.completes(bucket) for bucket in range(5))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import gsync
+from gsync.mailbox import Mailbox
 from conftest import (
     Deep,
     TiedNet,
@@ -31,6 +32,28 @@ async def test_one_bucket_ready_message_per_device_and_bucket(num_devices: int) 
     assert result.stats.buckets >= 3
     assert result.stats.steps == 4
     assert result.stats.bucket_ready_messages == 4 * num_devices * result.stats.buckets
+
+
+async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_bucket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Only the post that completes a bucket on every device wakes the server; the rest ride along.
+    wakes = 0
+    schedule = Mailbox._schedule_drain
+
+    def counted(self: Mailbox[object], message: object) -> None:
+        nonlocal wakes
+        if self.owner == "sync server":
+            wakes += 1
+        schedule(self, message)
+
+    monkeypatch.setattr(Mailbox, "_schedule_drain", counted)
+    num_devices, steps = 4, 6
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)], first_bucket_mb=0.01, bucket_cap_mb=0.02)
+    result = await engine.fit(Deep(), make_batches(steps, 16), optimizer=sgd, loss_fn=classification_loss)
+    assert result.stats.buckets >= 3
+    # At most one wake-up per bucket (its last device's post) and one per device's ForwardDone, per step.
+    assert 0 < wakes <= steps * (result.stats.buckets + num_devices)
 
 
 async def test_grads_are_views_into_one_flat_buffer_per_bucket() -> None:

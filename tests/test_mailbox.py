@@ -143,3 +143,60 @@ async def test_a_cancelled_read_loses_no_message() -> None:
     with anyio.fail_after(5):
         assert await box.receive() == StepSynced(3)
     box.discard()
+
+
+@pytest.mark.asyncio
+async def test_posts_that_do_not_wake_the_loop_arrive_in_order_with_the_next_that_does() -> None:
+    box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
+    woken = anyio.Event()
+    received: list[ServerMessage] = []
+
+    async def reader() -> None:
+        for _ in range(3):
+            received.append(await box.receive())
+        woken.set()
+
+    def quiet_then_waking() -> None:
+        box.post_threadsafe(BucketReady(0, 0, 0), wake=False)
+        box.post_threadsafe(BucketReady(1, 0, 0), wake=False)
+        box.post_threadsafe(BucketReady(2, 0, 0))
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(reader)
+                await anyio.wait_all_tasks_blocked()
+                thread = threading.Thread(target=quiet_then_waking)
+                thread.start()
+                thread.join()
+                await woken.wait()
+    finally:
+        box.discard()
+    assert [m.device for m in received] == [0, 1, 2]  # type: ignore[union-attr]
+
+
+@pytest.mark.asyncio
+async def test_wake_delivers_quiet_posts_and_nothing_wakes_the_loop_without_it() -> None:
+    box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
+    received: list[ServerMessage] = []
+
+    async def reader() -> None:
+        received.append(await box.receive())
+
+    try:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as group:
+                group.start_soon(reader)
+                await anyio.wait_all_tasks_blocked()
+                thread = threading.Thread(target=lambda: box.post_threadsafe(BucketReady(0, 0, 1), wake=False))
+                thread.start()
+                thread.join()
+                # No wake-up was scheduled: the reader still sleeps.
+                await anyio.wait_all_tasks_blocked()
+                assert received == []
+                thread = threading.Thread(target=box.wake)
+                thread.start()
+                thread.join()
+    finally:
+        box.discard()
+    assert received == [BucketReady(0, 0, 1)]
