@@ -28,7 +28,6 @@ from typing import Any
 
 import anyio
 import torch
-from anyio.abc import ObjectReceiveStream
 from torch import nn
 
 from ._threads import FitAborted, WorkerThread
@@ -39,6 +38,7 @@ from .devices import DeviceSpec
 from .errors import (
     GsyncError,
     InputTypeError,
+    MailboxClosed,
     NonFiniteLoss,
     SyncFailed,
     SyncTimeout,
@@ -79,6 +79,8 @@ class DeviceActor:
         self.scheduler = scheduler
         self.scaler = scaler
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
+        self.shards: Mailbox[Shard] = Mailbox(f"shards of {spec.name}", context.loop)
+        """The session posts each step's shard here, and closes it at the end of the data."""
         self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
         self.plan = context.plan
@@ -439,28 +441,32 @@ class DeviceActor:
         result: dict[str, float] = await self._in_thread(self._evaluate, data, rows, metric_fn)
         return result
 
-    async def run(self, shards: ObjectReceiveStream[Shard]) -> None:
-        """Train on every shard received, until the session closes ``shards`` and ``Close`` arrives.
+    async def run(self) -> None:
+        """Train on every shard received, until the session closes :attr:`shards` and ``Close`` arrives.
 
         :raises ~gsync.WorkerFailed: when this device's training code raises.
         :raises ~gsync.SyncTimeout: when this device's optimizer step stalls.
         """
         try:
             first = True
-            async with shards:
-                async for shard in shards:
-                    turns = self._context.first_step if first else None
-                    first = False
-                    if turns is not None:
-                        await self._first_forward_backward(shard, turns)
-                    else:
-                        await self._in_thread(self._forward_backward, shard)
-                    if not await self._await_sync(shard.step, turns):
-                        return
+            while True:
+                try:
+                    shard = await self.shards.receive()
+                except MailboxClosed:
+                    break  # the end of the data
+                turns = self._context.first_step if first else None
+                first = False
+                if turns is not None:
+                    await self._first_forward_backward(shard, turns)
+                else:
+                    await self._in_thread(self._forward_backward, shard)
+                if not await self._await_sync(shard.step, turns):
+                    return
             message = await self.mailbox.receive()
             if not isinstance(message, Close):
                 raise SyncFailed(self.step, None, f"protocol error: {message!r} after the last step")
         finally:
+            self.shards.close()
             self.mailbox.close()
 
     async def _first_forward_backward(self, shard: Shard, turns: FirstStepInTurn) -> None:

@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-
 from ._threads import LoopHandle
 from .actor import DeviceActor
 from .agreement import LocalAgreement, StepAgreement
@@ -25,7 +22,7 @@ from .comm.compressed import CompressedCollective
 from .comm.local import LocalCollective
 from .comm.nccl import NcclCollective
 from .comm.process_group import ProcessGroupCollective
-from .context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints, Shard
+from .context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints
 from .distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
 from .mailbox import Mailbox
 from .messages import ServerMessage, SessionMessage
@@ -54,7 +51,6 @@ class Assembly:
     rebuild: PlanRebuild
     server_mailbox: Mailbox[ServerMessage]
     session_mailbox: Mailbox[SessionMessage]
-    shard_streams: list[tuple[MemoryObjectSendStream[Shard], MemoryObjectReceiveStream[Shard]]]
     trace: Trace | None
 
 
@@ -128,7 +124,6 @@ def assemble(
         ),
         arrivals=LastArrivals(len(replicas), len(plan.names)),
     )
-    shard_streams = [anyio.create_memory_object_stream[Shard](1) for _ in replicas]
     actors = []
     for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
         # Bucket buffers are allocated on the compute stream that uses them.
@@ -160,5 +155,5 @@ def assemble(
     )
     return Assembly(
         topology, context, actors, server, collective, streams, buffers, rebuild,
-        server_mailbox, session_mailbox, shard_streams, trace,
+        server_mailbox, session_mailbox, trace,
     )

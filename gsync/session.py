@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import torch
-from anyio.streams.memory import MemoryObjectSendStream
 from torch import nn
 
 from ._threads import FitAborted, LoopHandle, WorkerThread
@@ -162,8 +161,6 @@ class Session:
         self._buffers: BufferSync | None = None
         self._rebuild: PlanRebuild | None = None
         self._context: ActorContext | None = None
-        self._shard_sends: list[MemoryObjectSendStream[Shard]] = []
-        self._shard_streams: list[Any] = []
         self._server_mailbox: Mailbox[ServerMessage] | None = None
         self._session_mailbox: Mailbox[SessionMessage] | None = None
         self._topology = Topology(local_devices=len(engine.devices))
@@ -363,8 +360,8 @@ class Session:
         started = time.perf_counter()
         async with self._operation():
             _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last))
-            for send, shard in zip(self._shard_sends, shards):
-                await send.send(shard)
+            for actor, shard in zip(self._actors, shards):
+                actor.shards.post(shard)
             applied = await self._await_applied(step)
         self._next_step = step + 1
         return StepResult(
@@ -556,8 +553,6 @@ class Session:
         self._buffers = parts.buffers
         self._server_mailbox = parts.server_mailbox
         self._session_mailbox = parts.session_mailbox
-        self._shard_streams = parts.shard_streams
-        self._shard_sends = [send for send, _ in parts.shard_streams]
         self._actors = parts.actors
         self._rebuild = parts.rebuild
         self._server = parts.server
@@ -589,8 +584,8 @@ class Session:
                     group.start_soon(self._watch_peers)
                 async with anyio.create_task_group() as work:
                     work.start_soon(server.run)
-                    for actor, (_, receive) in zip(self._actors, self._shard_streams):
-                        work.start_soon(actor.run, receive)
+                    for actor in self._actors:
+                        work.start_soon(actor.run)
                 group.cancel_scope.cancel()
         except BaseExceptionGroup as errors:
             if is_cancellation(errors):
@@ -654,8 +649,8 @@ class Session:
 
     def _stop_serving(self) -> None:
         """End the data: actors finish what they hold, the server closes them, serving returns."""
-        for send in self._shard_sends:
-            send.close()
+        for actor in self._actors:
+            actor.shards.close()
         if self._server_mailbox is not None:
             self._server_mailbox.try_post(Close("end of session"))
 
@@ -668,9 +663,8 @@ class Session:
         self._torn_down = True
         self._open = False
         self._abort.set()
-        for send, receive in self._shard_streams:
-            send.close()
-            receive.close()
+        for actor in self._actors:
+            actor.shards.discard()
         if self._server_mailbox is not None:
             self._server_mailbox.discard()
         # The session mailbox stays open: a step waiting on it learns of a

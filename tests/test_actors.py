@@ -25,7 +25,6 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
-from anyio.streams.memory import MemoryObjectSendStream
 from torch import nn
 
 import gsync
@@ -425,7 +424,6 @@ def reference_step(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, A
 class ActorRig:
     actor: DeviceActor
     context: ActorContext
-    send: MemoryObjectSendStream[Shard]
     initial: nn.Module
     """A copy of the model as it was before the actor touched it."""
     lr: float
@@ -433,6 +431,10 @@ class ActorRig:
     @property
     def server(self) -> Mailbox[ServerMessage]:
         return self.context.server
+
+    @property
+    def shards(self) -> Mailbox[Shard]:
+        return self.actor.shards
 
     @property
     def session(self) -> Mailbox[SessionMessage]:
@@ -460,7 +462,7 @@ class ActorRig:
 
 
 @asynccontextmanager
-async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr: float = 0.1) -> AsyncIterator[tuple[ActorRig, Any]]:
+async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr: float = 0.1) -> AsyncIterator[ActorRig]:
     loop = LoopHandle()
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
@@ -486,26 +488,23 @@ async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr:
         optimizer=recipe.optimizer([p for p in model.parameters() if p.requires_grad]),
         context=context,
     )
-    send, receive = anyio.create_memory_object_stream[Shard](1)
     try:
-        yield ActorRig(actor, context, send, initial, lr), receive
+        yield ActorRig(actor, context, initial, lr)
     finally:
-        send.close()
-        receive.close()
         actor.close()
         joined = await actor.worker.join(1.0)
-        for box in (context.server, context.session, actor.mailbox):
+        for box in (context.server, context.session, actor.mailbox, actor.shards):
             box.discard()
         assert joined, "the actor's worker thread did not exit"
 
 
 async def test_actor_posts_one_bucket_ready_per_bucket_then_its_loss_and_applies_the_synced_step() -> None:
     batch = make_batch(4, seed=1)
-    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+    async with actor_rig() as rig, anyio.create_task_group() as group:
         actor = rig.actor
         ref_loss, ref_grads = reference_step(rig.initial, batch)
-        group.start_soon(actor.run, receive)
-        await rig.send.send(Shard(step=0, rows=(4,), total_rows=(8,), data=(batch,)))
+        group.start_soon(actor.run)
+        rig.shards.post(Shard(step=0, rows=(4,), total_rows=(8,), data=(batch,)))
 
         readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
         assert all(isinstance(m, BucketReady) for m in readies), readies
@@ -530,7 +529,7 @@ async def test_actor_posts_one_bucket_ready_per_bucket_then_its_loss_and_applies
         assert actor.applied_step == 0
         assert rig.context.streams.rounds_applied(0) == 1  # type: ignore[attr-defined]
 
-        rig.send.close()
+        rig.shards.close()
         actor.mailbox.post(Close())
     assert await rig.remaining_server_messages() == []
 
@@ -540,12 +539,12 @@ async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows
     batches = (make_batch(rows[0], seed=2), make_batch(rows[1], seed=3))
     total = (8, 8)
     shard = Shard(step=0, rows=rows, total_rows=total, data=batches)
-    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+    async with actor_rig() as rig, anyio.create_task_group() as group:
         actor = rig.actor
         references = [reference_step(rig.initial, batch) for batch in batches]
         shares = [r / t / len(rows) for r, t in zip(rows, total)]
-        group.start_soon(actor.run, receive)
-        await rig.send.send(shard)
+        group.start_soon(actor.run)
+        rig.shards.post(shard)
 
         readies = [await rig.next_server_message() for _ in rig.context.plan.buckets]
         assert sorted(m.bucket for m in readies if isinstance(m, BucketReady)) == [0, 1]
@@ -566,7 +565,7 @@ async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
         assert applied == StepApplied(0, 0, first.loss, rig.lr)
-        rig.send.close()
+        rig.shards.close()
         actor.mailbox.post(Close())
     # Only the last backward posts: nothing but ForwardDone and one BucketReady per bucket went out.
     assert await rig.remaining_server_messages() == []
@@ -584,13 +583,13 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
     rows, total = (4, 2), (8, 8)
     batches = (make_batch(rows[0], seed=6), make_batch(rows[1], seed=7))
     shard = Shard(step=0, rows=rows, total_rows=total, data=batches)
-    async with actor_rig(loss_fn=bias_only_in_big_batches) as (rig, receive), anyio.create_task_group() as group:
+    async with actor_rig(loss_fn=bias_only_in_big_batches) as rig, anyio.create_task_group() as group:
         actor = rig.actor
         references = [reference_step(rig.initial, batch, bias_only_in_big_batches) for batch in batches]
         assert torch.count_nonzero(references[1][1][1]) == 0  # the last batch gives the bias no gradient
         shares = [r / t / len(rows) for r, t in zip(rows, total)]
-        group.start_soon(actor.run, receive)
-        await rig.send.send(shard)
+        group.start_soon(actor.run)
+        rig.shards.post(shard)
         messages = [await rig.next_server_message() for _ in range(3)]
         assert isinstance(messages[2], ForwardDone)
         readies = {m.bucket: m for m in messages[:2] if isinstance(m, BucketReady)}
@@ -610,17 +609,17 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
             assert await rig.session.receive() == StepApplied(0, 0, messages[2].loss, rig.lr)
         for name, param, old, want in zip(("weight", "bias"), actor.params, before, wants):
             torch.testing.assert_close(param.detach(), old - rig.lr * want, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
-        rig.send.close()
+        rig.shards.close()
         actor.mailbox.post(Close())
 
 
 async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
     batch = make_batch(4, seed=4)
-    async with actor_rig() as (rig, receive), anyio.create_task_group() as group:
+    async with actor_rig() as rig, anyio.create_task_group() as group:
         actor = rig.actor
         before = [p.detach().clone() for p in actor.params]
-        group.start_soon(actor.run, receive)
-        await rig.send.send(Shard(0, (4,), (8,), (batch,)))
+        group.start_soon(actor.run)
+        rig.shards.post(Shard(0, (4,), (8,), (batch,)))
         messages = [await rig.next_server_message() for _ in range(3)]
         assert isinstance(messages[2], ForwardDone)
         rig.reduce([m.bucket for m in messages[:2]])  # type: ignore[union-attr]
@@ -630,7 +629,7 @@ async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
         assert applied == StepApplied(0, 0, math.inf, rig.lr, None, skipped=True)
         for param, old in zip(actor.params, before):
             assert torch.equal(param.detach(), old)
-        rig.send.close()
+        rig.shards.close()
         actor.mailbox.post(Close())
 
 
@@ -640,10 +639,10 @@ async def test_actor_wraps_a_loss_fn_error_in_worker_failed() -> None:
     def failing_loss(model: nn.Module, batch: Any) -> torch.Tensor:
         raise boom
 
-    async with actor_rig(loss_fn=failing_loss) as (rig, receive):
-        rig.send.send_nowait(Shard(0, (4,), (8,), (make_batch(4, seed=5),)))
+    async with actor_rig(loss_fn=failing_loss) as rig:
+        rig.shards.post(Shard(0, (4,), (8,), (make_batch(4, seed=5),)))
         with anyio.fail_after(WAIT_S), pytest.raises(gsync.WorkerFailed) as caught:
-            await rig.actor.run(receive)
+            await rig.actor.run()
         error = caught.value
         assert (error.site, error.step, error.device, error.device_index) == ("forward", 0, "cpu:0", 0)
         assert error.__cause__ is boom
