@@ -152,8 +152,11 @@ class Mailbox(Generic[M]):
         return self._queue.popleft() if self._queue else None
 
     def close(self) -> None:
-        """Refuse further posts; messages already queued can still be received."""
-        self._closed = True
+        """Refuse further posts; messages already posted (from threads too) can still be received."""
+        with self._lock:
+            self._queue.extend(self._from_threads)
+            self._from_threads.clear()
+            self._closed = True
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None

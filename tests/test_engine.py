@@ -10,6 +10,7 @@ from torch import nn
 
 import gsync
 from gsync.mailbox import Mailbox
+from gsync.messages import BucketReady
 from conftest import (
     Deep,
     TiedNet,
@@ -37,23 +38,30 @@ async def test_one_bucket_ready_message_per_device_and_bucket(num_devices: int) 
 async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_bucket(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Only the post that completes a bucket on every device wakes the server; the rest ride along.
-    wakes = 0
-    schedule = Mailbox._schedule_drain
+    # Only the post that completes a bucket on every device may wake the server; the rest ride along.
+    may_wake = 0
+    post_threadsafe, wake = Mailbox.post_threadsafe, Mailbox.wake
 
-    def counted(self: Mailbox[object], message: object) -> None:
-        nonlocal wakes
+    def counted_post(self: Mailbox[object], message: object, wake: bool = True) -> None:
+        nonlocal may_wake
+        if self.owner == "sync server" and isinstance(message, BucketReady) and wake:
+            may_wake += 1
+        post_threadsafe(self, message, wake)
+
+    def counted_wake(self: Mailbox[object]) -> None:
+        nonlocal may_wake
         if self.owner == "sync server":
-            wakes += 1
-        schedule(self, message)
+            may_wake += 1
+        wake(self)
 
-    monkeypatch.setattr(Mailbox, "_schedule_drain", counted)
+    monkeypatch.setattr(Mailbox, "post_threadsafe", counted_post)
+    monkeypatch.setattr(Mailbox, "wake", counted_wake)
     num_devices, steps = 4, 6
     engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)], first_bucket_mb=0.01, bucket_cap_mb=0.02)
     result = await engine.fit(Deep(), make_batches(steps, 16), optimizer=sgd, loss_fn=classification_loss)
     assert result.stats.buckets >= 3
-    # At most one wake-up per bucket (its last device's post) and one per device's ForwardDone, per step.
-    assert 0 < wakes <= steps * (result.stats.buckets + num_devices)
+    assert result.stats.bucket_ready_messages == steps * num_devices * result.stats.buckets
+    assert may_wake == steps * result.stats.buckets
 
 
 async def test_grads_are_views_into_one_flat_buffer_per_bucket() -> None:

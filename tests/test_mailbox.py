@@ -200,3 +200,17 @@ async def test_wake_delivers_quiet_posts_and_nothing_wakes_the_loop_without_it()
     finally:
         box.discard()
     assert received == [BucketReady(0, 0, 1)]
+
+
+@pytest.mark.asyncio
+async def test_closing_keeps_what_threads_posted_for_the_reader() -> None:
+    box: Mailbox[ServerMessage] = Mailbox("server", LoopHandle())
+    thread = threading.Thread(target=lambda: box.post_threadsafe(BucketReady(0, 0, 2), wake=False))
+    thread.start()
+    thread.join()
+    box.close()
+    with anyio.fail_after(5):
+        assert await box.receive() == BucketReady(0, 0, 2)
+        with pytest.raises(gsync.MailboxClosed):
+            await box.receive()
+    box.discard()
