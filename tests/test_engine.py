@@ -40,19 +40,19 @@ async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_buc
 ) -> None:
     # Only the post that completes a bucket on every device may wake the server; the rest ride along.
     may_wake = 0
-    post_threadsafe, wake = Mailbox.post_threadsafe, Mailbox.wake
+    original_post, original_wake = Mailbox.post_threadsafe, Mailbox.wake
 
     def counted_post(self: Mailbox[object], message: object, wake: bool = True) -> None:
         nonlocal may_wake
         if self.owner == "sync server" and isinstance(message, BucketReady) and wake:
             may_wake += 1
-        post_threadsafe(self, message, wake)
+        original_post(self, message, wake)
 
     def counted_wake(self: Mailbox[object]) -> None:
         nonlocal may_wake
         if self.owner == "sync server":
             may_wake += 1
-        wake(self)
+        original_wake(self)
 
     monkeypatch.setattr(Mailbox, "post_threadsafe", counted_post)
     monkeypatch.setattr(Mailbox, "wake", counted_wake)
