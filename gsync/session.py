@@ -141,6 +141,7 @@ class Session:
         self._ended = False
         self._stepping = False
         self._operations_done = 0
+        self._operation_over: anyio.Event | None = None
         self._op_scope: anyio.CancelScope | None = None
         self._failing = False
         self._settled = anyio.Event()
@@ -450,6 +451,7 @@ class Session:
             raise self._fail(peer_failed(left))
         scope = anyio.CancelScope()
         self._op_scope = scope
+        self._operation_over = over = anyio.Event()
         self._stepping = True
         symptom = False
         try:
@@ -468,6 +470,7 @@ class Session:
         finally:
             self._stepping = False
             self._op_scope = None
+            over.set()
         if symptom or scope.cancelled_caught:
             raise self._failure or SessionClosed("the session closed during an operation")
         self._operations_done += 1
@@ -632,6 +635,12 @@ class Session:
         if report.error_type == _DEPARTED and not (self._stepping and self._operations_done >= report.operations):
             self._peer_left = report
             return
+        over = self._operation_over
+        if self._stepping and report.step > self._next_step and over is not None:
+            # The peer failed in a later step than the one this rank is finishing: it took part
+            # in every collective of this one, so this step completes (its update is consistent
+            # everywhere) before the failure ends the session.
+            await over.wait()
         raise peer_failed(report)
 
     def _whereabouts(self) -> Whereabouts:

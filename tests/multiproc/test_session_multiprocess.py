@@ -6,6 +6,7 @@ import asyncio
 import copy
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,7 @@ def test_a_rank_that_leaves_its_session_early_makes_a_peer_starting_a_step_raise
     assert peer.value["elapsed"] < 20  # never waits out sync_timeout in a collective
 
 
-def failure_while_rank_0_waits_between_steps() -> dict[str, Any]:
+def failure_while_rank_0_waits_between_steps(slow_first_update: bool = False) -> dict[str, Any]:
     import anyio
 
     import gsync
@@ -133,6 +134,14 @@ def failure_while_rank_0_waits_between_steps() -> dict[str, Any]:
     engine = gsync.Engine(["cpu"], sync_timeout=20)
     faults = [gsync.testing.fail(0, 1, "forward", error=RuntimeError("boom on rank 1"))] if rank == 1 else []
     reached = []
+
+    def slow_optimizer(device: int, step: int, site: str, abort: threading.Event) -> None:
+        if step == 0 and site == "optimizer":
+            # Rank 0 is still finishing step 0 when rank 1, past it, fails in step 1.
+            abort.wait(3.0)
+
+    if slow_first_update and rank == 0:
+        engine.site_hooks.append(slow_optimizer)
 
     async def main() -> None:
         with gsync.testing.inject(engine, *faults):
@@ -154,8 +163,12 @@ def failure_while_rank_0_waits_between_steps() -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
-def test_a_peer_failure_between_steps_cancels_the_users_code() -> None:
-    waiting, failed = run_ranks(failure_while_rank_0_waits_between_steps, 2, timeout=80, check=True)
+@pytest.mark.parametrize("slow_first_update", [False, True], ids=["between-steps", "while-this-rank-finishes-step-0"])
+def test_a_peer_failure_between_steps_cancels_the_users_code(slow_first_update: bool) -> None:
+    # A peer failing in a later step than the one this rank is finishing lets that step complete.
+    waiting, failed = run_ranks(
+        failure_while_rank_0_waits_between_steps, 2, args=(slow_first_update,), timeout=80, check=True
+    )
     assert failed.value["type"] == "WorkerFailed"
     assert waiting.value["type"] == "PeerFailed" and "boom on rank 1" in waiting.value["message"]
     assert waiting.value["reached"] == ["waiting"]
