@@ -159,6 +159,13 @@ class ServerRig:
             for bucket, buffer in enumerate(device.buffers):
                 buffer.copy_(torch.arange(buffer.numel(), dtype=buffer.dtype) + 1000 * step + 100 * device.index + 10 * bucket)
 
+    def start_step_with_every_loss(self) -> None:
+        """Step 0 dispatched with its gradients written and every device's loss in: only readiness is left."""
+        self.fill(0)
+        self.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+        for device in range(len(self.devices)):
+            self.mailbox.post(ForwardDone(device, 0, 0.5))
+
     def ready(self, device: int, bucket: int, step: int = 0, unused: tuple[int, ...] = ()) -> None:
         """What a device's gradient hook does: mark the bucket ready, then post ``BucketReady``."""
         self.streams.mark_ready(device, bucket)
@@ -358,10 +365,8 @@ async def test_a_hung_reduction_times_out_naming_only_the_buckets_not_reduced() 
 
     async with server_rig(sync_timeout=1.0, site_hooks=(hang_second_reduction,)) as rig:
         try:
-            rig.fill(0)
-            rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
+            rig.start_step_with_every_loss()
             for device in range(2):
-                rig.mailbox.post(ForwardDone(device, 0, 0.5))
                 for bucket in range(3):
                     rig.ready(device, bucket)
             with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncTimeout) as caught:
@@ -374,10 +379,7 @@ async def test_a_hung_reduction_times_out_naming_only_the_buckets_not_reduced() 
 
 async def test_server_stall_raises_sync_timeout_naming_the_missing_device_and_bucket() -> None:
     async with server_rig(sync_timeout=0.2) as rig:
-        rig.fill(0)
-        rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
-        for device in range(2):
-            rig.mailbox.post(ForwardDone(device, 0, 0.5))
+        rig.start_step_with_every_loss()
         # fake:1 never posts bucket 2.
         for device, bucket in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]:
             rig.ready(device, bucket)
@@ -655,10 +657,7 @@ async def test_a_timeout_counts_the_posts_that_did_not_wake_the_server() -> None
     # Device 0 posts every bucket from its thread without waking the server (device 1 never
     # completes them); the timeout must still see them as arrived and name only device 1.
     async with server_rig(sync_timeout=0.3) as rig:
-        rig.fill(0)
-        rig.mailbox.post(StepDispatched(0, (0.5, 0.5), 8))
-        for device in range(2):
-            rig.mailbox.post(ForwardDone(device, 0, 0.5))
+        rig.start_step_with_every_loss()
 
         def device_0_hooks() -> None:
             for bucket in range(3):
