@@ -84,7 +84,7 @@ class DeviceActor:
         self.worker = WorkerThread(f"gsync-device-{index}", context.loop)
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
         self.plan = context.plan
-        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device, lazy=context.direct_grads)
+        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device, lazy=context.grads_in_place)
         self.readiness = Readiness(self.plan)
         self.site = "data"
         self.step = -1
@@ -113,6 +113,12 @@ class DeviceActor:
 
     def bucket_buffer(self, bucket: int) -> torch.Tensor:
         return self.grads.flat(bucket)
+
+    def bucket_grads(self, bucket: int) -> list[torch.Tensor]:
+        """The ``.grad`` of bucket ``bucket``'s parameters, in bucket order (once the bucket is posted, each is
+        the step's dense gradient: autograd's own, a bucket view, or zeros)."""
+        params = self.params
+        return [params[position].grad for position in self.plan.buckets[bucket].params]  # type: ignore[misc]
 
     def where(self) -> str:
         """Where this device was last seen, e.g. ``"step 2, backward"`` (for timeout reports)."""
@@ -225,7 +231,7 @@ class DeviceActor:
     def _adopt_plan(self) -> None:
         """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
         self.plan = self._context.plan
-        self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.direct_grads)
+        self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.grads_in_place)
         self.readiness = Readiness(self.plan)
         self._install_hooks()
 
@@ -248,9 +254,9 @@ class DeviceActor:
         batches = len(parts)
         readout = self._losses
         readout.start(batches)
-        # Alone in the run with one batch, the gradient autograd delivers is
-        # the step's: it stays in .grad (no copy into the bucket).
-        self._direct = self._context.direct_grads and batches == 1
+        # With one batch, the gradient autograd delivers is the step's: where the
+        # reduction can take it as it is, it stays in .grad (no copy into the bucket).
+        self._direct = self._context.grads_in_place and batches == 1
         last_backward_ran = False
         self._got_grad[:] = bytes(len(self._got_grad))
         for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):
@@ -315,9 +321,12 @@ class DeviceActor:
         for bucket, not_in_last in self.readiness.unfinished():
             unused = tuple(p for p in not_in_last if not self._got_grad[p])
             if self._direct:
-                # Alone in the run: no slot to zero; the optimizer sees None, as in a plain loop.
                 for position in unused:
-                    self.params[position].grad = None
+                    param = self.params[position]
+                    # Alone in the run the optimizer sees None, as in a plain loop; otherwise the
+                    # reduction needs this device's term, and the optimizer sees None only where no
+                    # device had a gradient (StepSynced.unused).
+                    param.grad = None if self._context.alone else torch.zeros_like(param)
             else:
                 self.grads.fill_missing(unused)
             self._post_ready(bucket, unused)
@@ -375,7 +384,7 @@ class DeviceActor:
                 self._step_scheduler()
             finally:
                 for position in synced.unused:
-                    self.params[position].grad = None if self._context.direct_grads else self.grads.view(position)
+                    self.params[position].grad = None if self._direct else self.grads.view(position)
             # Only a step that returned leaves the replica consistent; the step
             # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = synced.step

@@ -114,8 +114,11 @@ def assemble(
         first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
         bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         streams=streams,
-        # One device in the whole run and no compression: a reduction is the identity.
-        direct_grads=collective.world_devices == 1 and engine.compression is None,
+        # One device in the whole run and no compression: a reduction is the identity. In one process on CPU
+        # the reduction takes the gradients where they are, so none is copied into a bucket first.
+        grads_in_place=engine.compression is None
+        and (collective.world_devices == 1 or isinstance(collective, LocalCollective)),
+        alone=collective.world_devices == 1 and engine.compression is None,
         # CPU kernels only: on GPUs the devices' first steps stay concurrent.
         first_step=(
             FirstStepInTurn(len(replicas))

@@ -6,12 +6,17 @@ gradients), grouped by dtype, filled into buckets up to a small first-bucket
 size and then up to the cap. Every replica (and every rank) uses the same
 plan, so bucket ``b`` means the same bytes everywhere.
 
-Each replica's ``.grad`` tensors are views into its bucket buffers for the
-reduction and the optimizer step (DDP's ``gradient_as_bucket_view``), so
-reducing a bucket needs no gather or scatter. During backward ``.grad`` is
-``None`` and each fresh gradient is copied into its slot once: by its
-readiness hook, or for the last bucket's parameters (which have no hook once
-the plan is final) in one pass when backward returns (see :class:`ReplicaGrads`).
+Where a transport needs a bucket's bytes contiguous (NCCL, a process
+group, compression), each replica's ``.grad`` tensors are views into its
+bucket buffers for the reduction and the optimizer step (DDP's
+``gradient_as_bucket_view``), so reducing a bucket needs no gather or
+scatter. During backward ``.grad`` is ``None`` and each fresh gradient is
+copied into its slot once: by its readiness hook, or for the last bucket's
+parameters (which have no hook once the plan is final) in one pass when
+backward returns (see :class:`ReplicaGrads`). In one process on CPU, and for
+a run of one device, the reduction takes the gradients where autograd put
+them instead, and a bucket buffer holds only what must be formed in it first
+(a step's accumulated batches, sparse gradients).
 """
 
 from __future__ import annotations
@@ -138,10 +143,10 @@ class ReplicaGrads:
     def flat(self, bucket: int) -> torch.Tensor:
         """Bucket ``bucket``'s buffer, allocated (zeroed) the first time it is needed.
 
-        A replica alone in its run keeps autograd's gradients in ``.grad`` and
-        allocates a bucket only for what goes through it (accumulated steps,
-        sparse gradients, unused parameters), so it does not hold a second
-        copy of every gradient.
+        A replica whose gradients are reduced where autograd put them (alone
+        in its run, or in one process on CPU) allocates a bucket only for what
+        goes through it (accumulated steps, sparse gradients), so it does not
+        hold a second copy of every gradient.
         """
         flat = self._flats[bucket]
         if flat is None:

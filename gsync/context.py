@@ -188,9 +188,13 @@ class ActorContext:
     """The devices' turns for the first step (see :class:`FirstStepInTurn`); ``None``: all at once."""
     arrivals: LastArrivals = field(default_factory=lambda: LastArrivals(1, 0))
     """Which device's post of a bucket wakes the sync server (see :class:`LastArrivals`)."""
-    direct_grads: bool = False
-    """The run has one device in all and reduces nothing: gradients stay where autograd put them (no copy into
-    the buckets), as in a plain loop."""
+    grads_in_place: bool = False
+    """Gradients stay where autograd put them, as in a plain loop, rather than being copied into the bucket
+    buffers: the run has one device in all (nothing to reduce), or its reduction takes each device's gradient
+    tensors as they are (:meth:`~gsync.LocalCollective.all_reduce_each`). Buckets then hold only what must be
+    formed first: a step's accumulated batches and sparse gradients."""
+    alone: bool = False
+    """One device in the whole run: a reduction is the identity."""
 
 
 class DeviceEndpoint(Protocol):
@@ -203,5 +207,7 @@ class DeviceEndpoint(Protocol):
     def mailbox(self) -> Mailbox[DeviceMessage]: ...
 
     def bucket_buffer(self, bucket: int) -> torch.Tensor: ...
+
+    def bucket_grads(self, bucket: int) -> list[torch.Tensor]: ...
 
     def where(self) -> str: ...

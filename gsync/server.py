@@ -28,6 +28,7 @@ from .agreement import AgreedStep, StepAgreement, StepFacts
 from .buffers import BufferSync
 from .comm.base import Collective
 from .comm.compressed import CompressedCollective
+from .comm.local import LocalCollective
 from .context import ActorContext, DeviceEndpoint
 from .errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
@@ -84,6 +85,13 @@ class SyncServer:
         self._devices = list(devices)
         self._buffers = buffers
         self._collective = collective
+        # Gradients left in .grad (context.grads_in_place) are reduced where they are, which only the
+        # in-process collective can do.
+        self._in_place: LocalCollective | None = None
+        if context.grads_in_place and not context.alone:
+            if not isinstance(collective, LocalCollective):
+                raise ValueError(f"gradients left in .grad need a LocalCollective to reduce them, not {collective!r}")
+            self._in_place = collective
         self._agreement = agreement
         self._rebuild = rebuild
         # The session's settings (timeout, trace, fault hooks, abort flag) come
@@ -256,13 +264,22 @@ class SyncServer:
             raise SyncFailed(step, None, f"protocol error: {message!r} arrived during step {step}")
 
     def _launch(self, step: int, bucket: int, weights: list[float]) -> None:
-        # One device in the whole run: the reduction is the identity, and its
-        # bucket may not even exist (the gradients stay in .grad).
-        flats = [] if self._context.direct_grads else [device.bucket_buffer(bucket) for device in self._devices]
-        nbytes = flats[0].numel() * flats[0].element_size() if flats else 0
-        self._submit(step, bucket, partial(self._reduce, step, bucket, flats, weights), nbytes)
+        transfer: Callable[[], int] | None
+        if self._context.alone:
+            # One device in the whole run: the reduction is the identity, and its
+            # bucket may not even exist (the gradients stay in .grad).
+            transfer, nbytes = None, 0
+        elif self._in_place is not None:
+            grads = [device.bucket_grads(bucket) for device in self._devices]
+            nbytes = sum(grad.numel() * grad.element_size() for grad in grads[0])
+            transfer = partial(self._reduce_in_place, self._in_place, grads, weights, nbytes)
+        else:
+            flats = [device.bucket_buffer(bucket) for device in self._devices]
+            nbytes = flats[0].numel() * flats[0].element_size()
+            transfer = partial(self._reduce_flats, bucket, flats, weights)
+        self._submit(step, bucket, partial(self._reduce, step, bucket, transfer), nbytes)
 
-    def _reduce(self, step: int, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> None:
+    def _reduce(self, step: int, bucket: int, transfer: Callable[[], int] | None) -> None:
         if self._abort.is_set():
             # The session is ending: queued reductions would only delay teardown.
             raise FitAborted
@@ -270,19 +287,24 @@ class SyncServer:
             hook(-1, step, "all_reduce", self._abort)
         streams = self._context.streams
         streams.before_reduce(bucket)
-        if not flats:
-            streams.after_reduce(bucket)
-            self._reduced_through = (step, bucket)
-            return
-        with streams.comm_streams():
-            if isinstance(self._collective, CompressedCollective):
-                nbytes = self._collective.reduce_bucket(bucket, flats, weights)
-            else:
-                self._collective.all_reduce(flats, weights)
-                nbytes = flats[0].numel() * flats[0].element_size()
+        if transfer is not None:
+            with streams.comm_streams():
+                self.reduced_bytes += transfer()
         streams.after_reduce(bucket)
-        self.reduced_bytes += nbytes
         self._reduced_through = (step, bucket)
+
+    def _reduce_flats(self, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> int:
+        if isinstance(self._collective, CompressedCollective):
+            return self._collective.reduce_bucket(bucket, flats, weights)
+        self._collective.all_reduce(flats, weights)
+        return flats[0].numel() * flats[0].element_size()
+
+    @staticmethod
+    def _reduce_in_place(
+        collective: LocalCollective, grads: list[list[torch.Tensor]], weights: list[float], nbytes: int
+    ) -> int:
+        collective.all_reduce_each(grads, weights)
+        return nbytes
 
     def _broadcast_buffers(self, step: int) -> None:
         streams = self._context.streams

@@ -64,7 +64,12 @@ async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_buc
     assert may_wake == steps * result.stats.buckets
 
 
-async def test_grads_are_views_into_one_flat_buffer_per_bucket() -> None:
+@pytest.mark.parametrize("accumulate", [1, 2])
+async def test_grads_stay_where_autograd_put_them_unless_a_step_accumulates(accumulate: int) -> None:
+    """In one process on CPU the reduction takes each replica's gradients as they are: no bucket copy.
+
+    With accumulation the step's batches add up in the bucket buffers, and ``.grad`` are views into them.
+    """
     storages: list[set[int]] = []
 
     def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -72,11 +77,19 @@ async def test_grads_are_views_into_one_flat_buffer_per_bucket() -> None:
         return classification_loss(replica, batch)
 
     engine = gsync.Engine(["cpu:0", "cpu:1"])  # the 25 MiB default holds this model in one bucket
-    result = await engine.fit(Deep(), make_batches(3, 12), optimizer=sgd, loss_fn=loss_fn)
+    result = await engine.fit(
+        Deep(), make_batches(3 * accumulate, 12), optimizer=sgd, loss_fn=loss_fn, accumulate=accumulate
+    )
     assert result.stats.buckets == 1
-    assert len(storages) == 6
-    assert all(len(ptrs) == 1 for ptrs in storages)
-    assert len({ptr for ptrs in storages for ptr in ptrs}) == 2  # one buffer per replica, reused every step
+    # Every call but each device's first (which sees the previous step's gradients, or none before step 0).
+    after_a_step = [ptrs for ptrs in storages[2 * accumulate :] if ptrs]
+    params = len(list(Deep().parameters()))
+    assert len(after_a_step) == 4 * accumulate
+    if accumulate == 1:
+        assert all(len(ptrs) == params for ptrs in after_a_step)  # one tensor of autograd's per parameter
+    else:
+        assert all(len(ptrs) == 1 for ptrs in after_a_step)  # views into one bucket buffer
+        assert len({ptr for ptrs in after_a_step for ptr in ptrs}) == 2  # one buffer per replica, reused
 
 
 async def test_reductions_start_during_backward_in_bucket_order() -> None:

@@ -1,9 +1,15 @@
 """In-process reduction across the devices of one process.
 
-On CPU, "devices" share one address space, so an all-reduce is arithmetic on
-the bucket buffers: one fused pass to form the weighted sum in the first
-buffer, one copy back to each other buffer. It runs in gsync's communication
-thread, so the event loop never waits on it.
+On CPU, "devices" share one address space, so an all-reduce is arithmetic:
+one fused pass to form the weighted sum in the first device's tensors, one
+copy back to each other device's. It runs in gsync's communication thread,
+so the event loop never waits on it.
+
+Besides the :class:`~gsync.Collective` protocol's flat buffers, it reduces
+a bucket as each device's list of gradient tensors (:meth:`LocalCollective.all_reduce_each`):
+the devices' gradients can then stay where autograd put them, instead of
+being copied into bucket buffers first, one pass over every gradient per
+device and step that only a transport needing contiguous bytes must pay.
 """
 
 from __future__ import annotations
@@ -24,26 +30,38 @@ class LocalCollective:
         return self._num_devices
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
-        first = tensors[0]
-        others = tensors[1:]
+        self.all_reduce_each([[tensor] for tensor in tensors], weights)
+
+    def all_reduce_each(self, tensors: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> None:
+        """:meth:`all_reduce` of several tensors at once: ``tensors[i][k]`` is device ``i``'s ``k``-th tensor.
+
+        Every device lists tensors of the same shapes and dtypes in the same
+        order; each position is reduced on its own, with the same elementwise
+        operations as one flat buffer holding them all (float32 results agree
+        bit for bit; low-precision ones to within a rounding, as torch's
+        vectorized and scalar kernels round those differently).
+        """
+        first = list(tensors[0])
         # A zero-weight device (an empty shard) is left out rather than
-        # multiplied by zero, so whatever its buffer holds (even inf) cannot
+        # multiplied by zero, so whatever its tensors hold (even inf) cannot
         # turn the sum into NaN.
-        terms = [(tensor, weight) for tensor, weight in zip(tensors, weights) if weight != 0.0]
-        if len(terms) == 1 and terms[0][0] is first and terms[0][1] == 1.0:
+        terms = [index for index, weight in enumerate(weights) if weight != 0.0]
+        if not terms:
+            torch._foreach_zero_(first)
+        elif terms == [0] and weights[0] == 1.0:
             pass  # one device with all the rows: the sum is already in place
-        elif len(terms) == 2 and terms[0][0] is first and abs(terms[0][1] + terms[1][1] - 1.0) < 1e-12:
+        elif len(terms) == 2 and terms[0] == 0 and abs(weights[0] + weights[terms[1]] - 1.0) < 1e-12:
             # w0*a + w1*b == a + w1*(b - a) when the weights sum to one: one fused pass.
-            first.lerp_(terms[1][0].to(first.device, non_blocking=True), terms[1][1])
-        elif not terms:
-            first.zero_()
+            torch._foreach_lerp_(first, list(tensors[terms[1]]), weights[terms[1]])
         else:
-            (lead, lead_weight), rest = terms[0], terms[1:]
-            torch.mul(lead.to(first.device, non_blocking=True), lead_weight, out=first)
-            for tensor, weight in rest:
-                first.add_(tensor.to(first.device, non_blocking=True), alpha=weight)
-        for tensor in others:
-            tensor.copy_(first, non_blocking=True)
+            lead, rest = terms[0], terms[1:]
+            if lead != 0:
+                torch._foreach_copy_(first, list(tensors[lead]))
+            torch._foreach_mul_(first, weights[lead])
+            for index in rest:
+                torch._foreach_add_(first, list(tensors[index]), alpha=weights[index])
+        for device in tensors[1:]:
+            torch._foreach_copy_(list(device), first)
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         for tensor in tensors[1:]:

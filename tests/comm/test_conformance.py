@@ -74,3 +74,36 @@ def test_zero_weight_devices_contribute_nothing(make: Callable[[int], gsync.Coll
     make(2).all_reduce(leading_zero, [0.0, 1.0])
     for tensor in leading_zero:
         torch.testing.assert_close(tensor, torch.full((4,), 5.0))
+
+
+@pytest.mark.parametrize("weights", [[0.25, 0.75], [0.2, 0.3, 0.5], [0.0, 0.4, 0.6], [1.0, 0.0], [0.0, 0.0]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_local_reduction_of_tensor_lists_matches_one_flat_buffer(weights: list[float], dtype: torch.dtype) -> None:
+    """``all_reduce_each`` (gradients where autograd left them) gives the flat bucket's result.
+
+    Bit for bit in float32; in bfloat16 to within one rounding, since torch's vectorized and scalar CPU kernels
+    (a tensor's tail) round the terms of a weighted sum of bfloat16s differently.
+    """
+    generator = torch.Generator().manual_seed(len(weights))
+    shapes = [(37, 3), (5,), (2, 3, 4), (1,)]
+    flats = [torch.randn(sum(torch.Size(s).numel() for s in shapes), generator=generator).to(dtype) for _ in weights]
+    # Each device's tensors are copies of pieces of its flat buffer, one of them not contiguous.
+    lists = []
+    for flat in flats:
+        pieces, offset = [], 0
+        for shape in shapes:
+            size = torch.Size(shape).numel()
+            pieces.append(flat[offset : offset + size].view(shape).clone())
+            offset += size
+        pieces[0] = pieces[0].t().contiguous().t()
+        lists.append(pieces)
+    collective = gsync.LocalCollective(len(weights))
+    collective.all_reduce(flats, weights)
+    collective.all_reduce_each(lists, weights)
+    for flat, pieces in zip(flats, lists):
+        assert not pieces[0].is_contiguous()
+        joined = torch.cat([piece.reshape(-1) for piece in pieces])
+        if dtype == torch.float32:
+            assert torch.equal(joined, flat)
+        else:
+            torch.testing.assert_close(joined, flat, rtol=2**-7, atol=2**-6)
