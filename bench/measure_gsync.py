@@ -104,16 +104,16 @@ async def gsync_steps(
 
     # Instrumentation only, in this worker process only: which torch thread count the
     # communication thread runs the in-process reduction with (a wrapper around
-    # LocalCollective.all_reduce, removed after the fit).
+    # LocalCollective.all_reduce_each, which its all_reduce also goes through; removed after the fit).
     collective_cls = getattr(sys.modules.get("gsync.comm.local"), "LocalCollective", None)
-    original = getattr(collective_cls, "all_reduce", None)
+    original = getattr(collective_cls, "all_reduce_each", None)
     if original is not None:
 
         def probed_all_reduce(self: Any, *args: Any, **kwargs: Any) -> Any:
             comm_threads.setdefault(threading.current_thread().name, torch.get_num_threads())
             return original(self, *args, **kwargs)
 
-        collective_cls.all_reduce = probed_all_reduce  # type: ignore[union-attr]
+        collective_cls.all_reduce_each = probed_all_reduce  # type: ignore[union-attr]
 
     def probed_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         probe.observe()
@@ -141,7 +141,7 @@ async def gsync_steps(
     wall = time.perf_counter() - started
     win = window.stop()
     if original is not None:
-        collective_cls.all_reduce = original  # type: ignore[union-attr]
+        collective_cls.all_reduce_each = original  # type: ignore[union-attr]
     assert trace is not None
     summary = summarize_trace(trace.events)
     periods = summary["step_periods_us"]

@@ -198,7 +198,8 @@ class ActorContext:
 
 
 class DeviceEndpoint(Protocol):
-    """What the sync server sees of a device actor: its mailbox, its bucket buffers, where it is."""
+    """What the sync server sees of a device actor: its mailbox, its bucket buffers (or the gradients a bucket
+    holds, where they stay in ``.grad``), where it is."""
 
     @property
     def name(self) -> str: ...

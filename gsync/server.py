@@ -271,7 +271,7 @@ class SyncServer:
             transfer, nbytes = None, 0
         elif self._in_place is not None:
             grads = [device.bucket_grads(bucket) for device in self._devices]
-            nbytes = sum(grad.numel() * grad.element_size() for grad in grads[0])
+            nbytes = self._context.plan.buckets[bucket].numel * grads[0][0].element_size()
             transfer = partial(self._reduce_in_place, self._in_place, grads, weights, nbytes)
         else:
             flats = [device.bucket_buffer(bucket) for device in self._devices]
