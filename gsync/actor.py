@@ -9,7 +9,8 @@ one pass when backward returns. The backward passes before the last only add
 their weighted gradients into the buckets, so accumulation moves no bytes.
 Buckets with gradients that never arrived (unused parameters, or a
 device with an empty shard) are posted when the last backward returns, their
-missing slots left at zero. The actor then waits for ``StepSynced``, runs the
+missing gradients zero. In one process on CPU a step of one batch leaves
+the gradients where autograd put them, and the reduction takes them there. The actor then waits for ``StepSynced``, runs the
 optimizer step (with clipping, the GradScaler and the LR scheduler of the
 recipe) in its thread, and posts ``StepApplied`` to the session.
 
@@ -32,7 +33,7 @@ from torch import nn
 
 from ._threads import FitAborted, WorkerThread
 from .batches import move_batch
-from .buckets import Readiness, ReplicaGrads
+from .buckets import Readiness, ReplicaGrads, owns_its_memory
 from .context import ActorContext, FirstStepInTurn, Shard
 from .devices import DeviceSpec
 from .errors import (
@@ -115,8 +116,15 @@ class DeviceActor:
         return self.grads.flat(bucket)
 
     def bucket_grads(self, bucket: int) -> list[torch.Tensor]:
-        """The ``.grad`` of bucket ``bucket``'s parameters, in bucket order (once the bucket is posted, each is
-        the step's dense gradient: autograd's own, a bucket view, or zeros)."""
+        """The tensors that hold bucket ``bucket``'s gradients this step, once it is posted.
+
+        Its buffer, where the step formed every gradient in it (several
+        batches); otherwise its parameters' ``.grad`` in bucket order, each
+        the step's dense gradient: autograd's own, a view into the bucket,
+        or zeros. Every device of a step has as many batches, so all answer alike.
+        """
+        if not self._direct:
+            return [self.grads.flat(bucket)]
         params = self.params
         return [params[position].grad for position in self.plan.buckets[bucket].params]  # type: ignore[misc]
 
@@ -134,14 +142,23 @@ class DeviceActor:
             if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
-            # A sparse gradient still goes through its (dense) slot, as with several devices.
-            if not (self._direct and not param.grad.is_sparse):  # type: ignore[union-attr]
+            if not self._keeps_in_place(param.grad):  # type: ignore[arg-type]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
                 self._post_ready(bucket)
 
         return on_grad_ready
+
+    def _keeps_in_place(self, grad: torch.Tensor) -> bool:
+        """Whether this step's ``grad`` stays where autograd put it, rather than being copied into its bucket slot.
+
+        A sparse gradient goes through its (dense) slot. So does one that
+        shares its memory with another tensor (see :func:`owns_its_memory`):
+        the reduction writes into the gradients it takes, which must change
+        nothing else.
+        """
+        return self._direct and not grad.is_sparse and (self._context.alone or owns_its_memory(grad))
 
     def _post_ready(self, bucket: int, unused: tuple[int, ...] = ()) -> None:
         """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes)."""
@@ -186,7 +203,7 @@ class DeviceActor:
         fresh: list[torch.Tensor] = []
         for position in arrived:
             grad = params[position].grad
-            if self._direct and not grad.is_sparse:  # type: ignore[union-attr]
+            if self._keeps_in_place(grad):  # type: ignore[arg-type]
                 continue
             if grad.is_sparse or got_grad[position] or self._grad_scale != 1.0:  # type: ignore[union-attr]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
@@ -325,7 +342,8 @@ class DeviceActor:
                     param = self.params[position]
                     # Alone in the run the optimizer sees None, as in a plain loop; otherwise the
                     # reduction needs this device's term, and the optimizer sees None only where no
-                    # device had a gradient (StepSynced.unused).
+                    # device had a gradient (StepSynced.unused). Fresh zeros, as autograd's gradients
+                    # are fresh each step: a bucket slot would hold its whole bucket for the run.
                     param.grad = None if self._context.alone else torch.zeros_like(param)
             else:
                 self.grads.fill_missing(unused)
@@ -384,7 +402,7 @@ class DeviceActor:
                 self._step_scheduler()
             finally:
                 for position in synced.unused:
-                    self.params[position].grad = None if self._direct else self.grads.view(position)
+                    self.params[position].grad = None if self._context.grads_in_place else self.grads.view(position)
             # Only a step that returned leaves the replica consistent; the step
             # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = synced.step

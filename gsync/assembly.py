@@ -90,6 +90,10 @@ def assemble(
     if engine.compression is not None:
         # Every transport compresses through the same wrapper, so the arithmetic does not depend on the topology.
         collective = CompressedCollective(collective, engine.compression)
+    # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
+    # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
+    alone = collective.world_devices == 1 and engine.compression is None
+    grads_in_place = alone or (engine.compression is None and isinstance(collective, LocalCollective))
     device_names = [spec.name for spec in engine.devices]
     # True or a file path: a fresh trace per session.
     trace = engine.trace if isinstance(engine.trace, Trace) else Trace() if engine.trace is not False else None
@@ -114,11 +118,8 @@ def assemble(
         first_bucket_bytes=int(engine.first_bucket_mb * 2**20),
         bucket_cap_bytes=int(engine.bucket_cap_mb * 2**20),
         streams=streams,
-        # One device in the whole run and no compression: a reduction is the identity. In one process on CPU
-        # the reduction takes the gradients where they are, so none is copied into a bucket first.
-        grads_in_place=engine.compression is None
-        and (collective.world_devices == 1 or isinstance(collective, LocalCollective)),
-        alone=collective.world_devices == 1 and engine.compression is None,
+        grads_in_place=grads_in_place,
+        alone=alone,
         # CPU kernels only: on GPUs the devices' first steps stay concurrent.
         first_step=(
             FirstStepInTurn(len(replicas))

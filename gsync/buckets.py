@@ -117,6 +117,32 @@ class BucketPlan:
         return cls(names, shapes, dtypes, tuple(buckets), tuple(bucket_of))
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _references_to_memory(tensor: torch.Tensor) -> int:
+    # The Python storage object must outlive the count: it holds one of the references counted.
+    storage = tensor.untyped_storage()
+    return int(_storage_use_count(storage._cdata))  # type: ignore[misc]
+
+
+# What a tensor that alone holds its memory shows (its own reference, and the Python storage object asked for
+# it); measured rather than assumed, since it is torch's internal bookkeeping.
+_SOLE_OWNER_COUNT = _references_to_memory(torch.empty(1)) if _storage_use_count is not None else -1
+
+
+def owns_its_memory(tensor: torch.Tensor) -> bool:
+    """Whether no other tensor shares ``tensor``'s memory (``False`` when torch cannot tell).
+
+    Autograd hands a parameter the gradient it computed without a copy when
+    nothing else holds that tensor, but it does not check for views: the
+    gradient of ``p`` in ``x + p.unsqueeze(0)`` is a view of the gradient
+    still flowing to ``x``. Writing into such a gradient while backward
+    runs would change what the rest of backward reads.
+    """
+    return _storage_use_count is not None and _references_to_memory(tensor) == _SOLE_OWNER_COUNT
+
+
 class ReplicaGrads:
     """One replica's bucket buffers, and its parameters' ``.grad`` as views into them.
 
@@ -125,8 +151,9 @@ class ReplicaGrads:
     copied into the bucket once (:meth:`take`, or one foreach copy for the
     last bucket when backward returns). Zeroing the
     buckets first and letting autograd add into them would cost two more
-    passes over every gradient per step. After backward every ``.grad`` is a
-    view again, for the reduction and the optimizer.
+    passes over every gradient per step. After backward every ``.grad`` that
+    went through the bucket is a view again, for the reduction and the
+    optimizer.
     """
 
     def __init__(

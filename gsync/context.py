@@ -194,7 +194,7 @@ class ActorContext:
     tensors as they are (:meth:`~gsync.LocalCollective.all_reduce_each`). Buckets then hold only what must be
     formed first: a step's accumulated batches and sparse gradients."""
     alone: bool = False
-    """One device in the whole run: a reduction is the identity."""
+    """One device in the whole run, without compression: a reduction is the identity."""
 
 
 class DeviceEndpoint(Protocol):

@@ -119,13 +119,15 @@ def server_plan() -> BucketPlan:
 class FakeDevice:
     """A :class:`~gsync.context.DeviceEndpoint` whose bucket buffers the test owns.
 
-    The server asks for a bucket's buffers exactly when it launches that
-    bucket's reduction, so ``launched`` records the launches, in order, as
-    they happen on the loop.
+    The server asks for a bucket's buffers (or, with ``grads_in_place``, for
+    its gradients: here views into those buffers) exactly when it launches
+    that bucket's reduction, so ``launched`` records the launches, in order,
+    as they happen on the loop.
     """
 
     def __init__(self, index: int, plan: BucketPlan, loop: LoopHandle) -> None:
         self.index = index
+        self.plan = plan
         self.name = f"fake:{index}"
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {self.name}", loop)
         self.buffers = [torch.zeros(bucket.numel) for bucket in plan.buckets]
@@ -134,6 +136,10 @@ class FakeDevice:
     def bucket_buffer(self, bucket: int) -> torch.Tensor:
         self.launched.append(bucket)
         return self.buffers[bucket]
+
+    def bucket_grads(self, bucket: int) -> list[torch.Tensor]:
+        buffer, spec = self.bucket_buffer(bucket), self.plan.buckets[bucket]
+        return [buffer[offset : offset + self.plan.shapes[p].numel()] for p, offset in zip(spec.params, spec.offsets)]
 
     def where(self) -> str:
         return f"fake {self.index}, backward"
@@ -185,7 +191,9 @@ class ServerRig:
 
 
 @asynccontextmanager
-async def server_rig(sync_timeout: float = WAIT_S, site_hooks: tuple[Any, ...] = ()) -> AsyncIterator[ServerRig]:
+async def server_rig(
+    sync_timeout: float = WAIT_S, site_hooks: tuple[Any, ...] = (), grads_in_place: bool = False
+) -> AsyncIterator[ServerRig]:
     loop = LoopHandle()
     plan = server_plan()
     trace = gsync.Trace()
@@ -202,6 +210,7 @@ async def server_rig(sync_timeout: float = WAIT_S, site_hooks: tuple[Any, ...] =
         trace=trace,
         site_hooks=site_hooks,
         streams=make_stream_sync([torch.device("cpu")] * 2, len(plan.buckets)),
+        grads_in_place=grads_in_place,
     )
     devices = [FakeDevice(i, plan, loop) for i in range(2)]
     buffers = BufferSync([nn.Linear(1, 1), nn.Linear(1, 1)])
@@ -224,8 +233,11 @@ async def server_rig(sync_timeout: float = WAIT_S, site_hooks: tuple[Any, ...] =
         assert joined, "the gsync-comm thread did not exit"
 
 
-async def test_server_launches_a_bucket_only_once_ready_everywhere_and_strictly_in_bucket_order() -> None:
-    async with server_rig() as rig, anyio.create_task_group() as group:
+@pytest.mark.parametrize("grads_in_place", [False, True], ids=["bucket-buffers", "grads-in-place"])
+async def test_server_launches_a_bucket_only_once_ready_everywhere_and_strictly_in_bucket_order(
+    grads_in_place: bool,
+) -> None:
+    async with server_rig(grads_in_place=grads_in_place) as rig, anyio.create_task_group() as group:
         group.start_soon(rig.server.run)
         rig.fill(0)
         rig.mailbox.post(StepDispatched(0, (0.25, 0.75), 8))
@@ -261,9 +273,12 @@ async def test_server_launches_a_bucket_only_once_ready_everywhere_and_strictly_
     assert rig.server.steps_synced == 1
 
 
-async def test_server_reduces_to_the_weighted_sum_and_posts_one_step_synced_with_the_agreed_facts() -> None:
+@pytest.mark.parametrize("grads_in_place", [False, True], ids=["bucket-buffers", "grads-in-place"])
+async def test_server_reduces_to_the_weighted_sum_and_posts_one_step_synced_with_the_agreed_facts(
+    grads_in_place: bool,
+) -> None:
     weights = [(0.25, 0.75), (0.5, 0.5)]
-    async with server_rig() as rig, anyio.create_task_group() as group:
+    async with server_rig(grads_in_place=grads_in_place) as rig, anyio.create_task_group() as group:
         group.start_soon(rig.server.run)
         for step, (w0, w1) in enumerate(weights):
             rig.fill(step)

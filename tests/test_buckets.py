@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 import gsync
-from gsync.buckets import BucketPlan, Readiness, ReplicaGrads
+from gsync.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory
 from gsync.context import LastArrivals
 
 
@@ -97,3 +99,30 @@ def test_last_arrivals_names_the_last_device_to_post_each_bucket_every_step() ->
         assert [arrivals.completes(1) for _ in range(3)] == [False, False, True]
     alone = LastArrivals(1, 0)
     assert all(alone.completes(bucket) for bucket in range(5))
+
+
+def test_owns_its_memory_tells_a_gradient_that_shares_memory_with_one_backward_still_holds() -> None:
+    tensor = torch.randn(4)
+    assert owns_its_memory(tensor)
+    view = tensor[:2]
+    assert not owns_its_memory(tensor) and not owns_its_memory(view)
+    del view
+    assert owns_its_memory(tensor)
+
+    # Autograd hands each parameter its gradient without a copy: for ``shift``, a view of the gradient that is
+    # also on its way to ``x``; for ``bias``, a tensor of its own.
+    shift, bias = nn.Parameter(torch.randn(5)), nn.Parameter(torch.randn(5))
+    seen: dict[str, bool] = {}
+
+    def look(name: str) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            seen[name] = owns_its_memory(param.grad)  # type: ignore[arg-type]
+
+        return hook
+
+    shift.register_post_accumulate_grad_hook(look("shift"))
+    bias.register_post_accumulate_grad_hook(look("bias"))
+    x = torch.randn(1, 5, requires_grad=True)
+    (torch.tanh(x * 2 + shift.unsqueeze(0)).sum() + (torch.randn(3, 5) * bias).sum()).backward()
+    assert seen == {"shift": False, "bias": True}
+    assert owns_its_memory(shift.grad)  # once backward has let go of the rest

@@ -31,6 +31,71 @@ async def test_matches_single_device_training(num_devices: int, rows: int, no_le
     torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
 
 
+async def test_the_reduction_never_writes_into_a_gradient_backward_still_reads() -> None:
+    """With one row per device, the gradient autograd hands ``shift`` in ``h + shift.unsqueeze(0)`` is a view of
+    the gradient still on its way into ``h``. Reducing shift's bucket while backward goes on must leave that
+    memory alone, or the layer below would learn from the other device's gradient.
+
+    ``h``'s backward waits, at step 1, until the buckets before it were reduced; step 0 runs its devices in turn.
+    """
+    reduced = threading.Condition()
+    reductions_at_step_1 = 0
+    steps_in_thread = threading.local()
+    training_with_gsync = False
+
+    class CountingTrace(gsync.Trace):
+        def record(self, event: gsync.TraceEvent) -> None:
+            nonlocal reductions_at_step_1
+            super().record(event)
+            if event.name == "all_reduce" and event.step == 1:
+                with reduced:
+                    reductions_at_step_1 += 1
+                    reduced.notify_all()
+
+    class AfterTheHeadAndShiftAreReduced(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+            if not training_with_gsync:
+                return grad  # the reference
+            step = steps_in_thread.__dict__.setdefault("count", 0)
+            steps_in_thread.count += 1
+            if step == 1:
+                with reduced:
+                    # head.weight, head.bias and shift: one bucket each, all final by now.
+                    if not reduced.wait_for(lambda: reductions_at_step_1 >= 3, timeout=10):
+                        raise AssertionError("the head's and shift's buckets were not reduced during backward")
+            return grad
+
+    class Shifted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 6)
+            self.shift = nn.Parameter(torch.randn(6))
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = AfterTheHeadAndShiftAreReduced.apply(self.first(x))
+            return self.head(torch.tanh(h + self.shift.unsqueeze(0)))
+
+    torch.manual_seed(3)
+    model = Shifted()
+    batches = make_batches(steps=3, rows=2, d_in=4, classes=2, seed=3)
+    expected_model, expected_losses = train_reference(model, batches)
+
+    training_with_gsync = True
+    tiny = 1e-6  # MiB: one parameter per bucket
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=tiny, bucket_cap_mb=tiny, trace=CountingTrace())
+    result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+
+    assert result.stats.buckets == 5
+    assert_same_state(model, expected_model)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(expected_losses), atol=2e-5, rtol=0)
+
+
 async def test_tied_weight_stays_tied_and_unused_params_keep_no_grad() -> None:
     torch.manual_seed(1)
     model = TiedNet()
@@ -51,6 +116,27 @@ async def test_tied_weight_stays_tied_and_unused_params_keep_no_grad() -> None:
     torch.testing.assert_close(model.never_used.weight, untouched["never_used.weight"], atol=0, rtol=0)
     for replica in seen:
         assert replica.second.weight is replica.first.weight
+
+
+@pytest.mark.parametrize("num_devices", [1, 2])
+@pytest.mark.parametrize("accumulate", [1, 2])
+async def test_a_parameter_no_device_uses_keeps_no_grad_between_steps(num_devices: int, accumulate: int) -> None:
+    """As after ``zero_grad()`` in a plain loop: a gradient of zeros would make a later optimizer (or a user's
+    check of ``.grad``) treat the parameter as trained."""
+    seen: list[tuple[bool, bool]] = []
+
+    def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        assert isinstance(replica, TiedNet)
+        seen.append((replica.never_used.weight.grad is None, replica.head.weight.grad is None))
+        return classification_loss(replica, batch)
+
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)])
+    await engine.fit(
+        TiedNet(), make_batches(steps=3 * accumulate, rows=8), optimizer=sgd, loss_fn=loss_fn, accumulate=accumulate
+    )
+    assert len(seen) == 3 * accumulate * num_devices
+    assert all(never_used_has_none for never_used_has_none, _ in seen)
+    assert not all(head_has_none for _, head_has_none in seen)  # the check looked where gradients were
 
 
 async def test_rare_path_used_on_one_device_only_matches_reference() -> None:

@@ -1,8 +1,8 @@
 """In-process reduction across the devices of one process.
 
 On CPU, "devices" share one address space, so an all-reduce is arithmetic:
-one fused pass to form the weighted sum in the first device's tensors, one
-copy back to each other device's. It runs in gsync's communication thread,
+the weighted sum formed in the first device's tensors (one fused pass for
+two devices), then copied to each other device's. It runs in gsync's communication thread,
 so the event loop never waits on it.
 
 Besides the :class:`~gsync.Collective` protocol's flat buffers, it reduces
@@ -37,9 +37,9 @@ class LocalCollective:
 
         Every device lists tensors of the same shapes and dtypes in the same
         order; each position is reduced on its own, with the same elementwise
-        operations as one flat buffer holding them all (float32 results agree
-        bit for bit; low-precision ones to within a rounding, as torch's
-        vectorized and scalar kernels round those differently).
+        operations as one flat buffer holding them all (results agree to within
+        a rounding: torch's vectorized and scalar kernels, which see different
+        elements here than in a flat buffer, may round differently).
         """
         first = list(tensors[0])
         # A zero-weight device (an empty shard) is left out rather than
