@@ -33,7 +33,7 @@ from torch import nn
 
 from ._threads import FitAborted, WorkerThread
 from .batches import move_batch
-from .buckets import Readiness, ReplicaGrads, owns_its_memory
+from .buckets import Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
 from .context import ActorContext, FirstStepInTurn, Shard
 from .devices import DeviceSpec
 from .errors import (
@@ -97,6 +97,7 @@ class DeviceActor:
         self.optimizer_dirty = False
         self.failure: GsyncError | None = None
         self._context = context
+        self._in_place = self._buckets_in_place()
         # How the running backward treats gradients (see _hook_for); set per batch of a step.
         self._posting = True
         self._grad_scale = 1.0
@@ -119,11 +120,12 @@ class DeviceActor:
         """The tensors that hold bucket ``bucket``'s gradients this step, once it is posted.
 
         Its buffer, where the step formed every gradient in it (several
-        batches); otherwise its parameters' ``.grad`` in bucket order, each
-        the step's dense gradient: autograd's own, a view into the bucket,
-        or zeros. Every device of a step has as many batches, so all answer alike.
+        batches, or a bucket not reduced in place); otherwise its parameters'
+        ``.grad`` in bucket order, each the step's dense gradient: autograd's
+        own, a view into the bucket, or zeros. Every device of a step has as
+        many batches and the same plan, so all answer alike.
         """
-        if not self._direct:
+        if not (self._direct and self._in_place[bucket]):
             return [self.grads.flat(bucket)]
         params = self.params
         return [params[position].grad for position in self.plan.buckets[bucket].params]  # type: ignore[misc]
@@ -142,7 +144,7 @@ class DeviceActor:
             if context.abort.is_set():
                 raise FitAborted
             bucket = self.readiness.mark(position)
-            if not self._keeps_in_place(param.grad):  # type: ignore[arg-type]
+            if not self._keeps_in_place(position, param.grad):  # type: ignore[arg-type]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
@@ -150,15 +152,24 @@ class DeviceActor:
 
         return on_grad_ready
 
-    def _keeps_in_place(self, grad: torch.Tensor) -> bool:
-        """Whether this step's ``grad`` stays where autograd put it, rather than being copied into its bucket slot.
+    def _buckets_in_place(self) -> list[bool]:
+        """Per bucket of the plan: whether a step of one batch leaves its gradients where autograd put them."""
+        if self._context.alone:
+            return [True] * len(self.plan.buckets)  # nothing is reduced
+        return [self._context.grads_in_place and reduced_in_place(bucket) for bucket in self.plan.buckets]
+
+    def _keeps_in_place(self, position: int, grad: torch.Tensor) -> bool:
+        """Whether this step's gradient of parameter ``position`` stays where autograd put it, rather than being
+        copied into its bucket slot.
 
         A sparse gradient goes through its (dense) slot. So does one that
         shares its memory with another tensor (see :func:`owns_its_memory`):
         the reduction writes into the gradients it takes, which must change
         nothing else.
         """
-        return self._direct and not grad.is_sparse and (self._context.alone or owns_its_memory(grad))
+        if not (self._direct and self._in_place[self.plan.bucket_of[position]]) or grad.is_sparse:
+            return False
+        return self._context.alone or owns_its_memory(grad)
 
     def _post_ready(self, bucket: int, unused: tuple[int, ...] = ()) -> None:
         """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes)."""
@@ -203,7 +214,7 @@ class DeviceActor:
         fresh: list[torch.Tensor] = []
         for position in arrived:
             grad = params[position].grad
-            if self._keeps_in_place(grad):  # type: ignore[arg-type]
+            if self._keeps_in_place(position, grad):  # type: ignore[arg-type]
                 continue
             if grad.is_sparse or got_grad[position] or self._grad_scale != 1.0:  # type: ignore[union-attr]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
@@ -249,6 +260,7 @@ class DeviceActor:
         """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
         self.plan = self._context.plan
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.grads_in_place)
+        self._in_place = self._buckets_in_place()
         self.readiness = Readiness(self.plan)
         self._install_hooks()
 
@@ -337,7 +349,7 @@ class DeviceActor:
         """Post the buckets the last backward did not complete; slots of parameters that got no gradient are zeroed."""
         for bucket, not_in_last in self.readiness.unfinished():
             unused = tuple(p for p in not_in_last if not self._got_grad[p])
-            if self._direct:
+            if self._direct and self._in_place[bucket]:
                 for position in unused:
                     param = self.params[position]
                     # Alone in the run the optimizer sees None, as in a plain loop; otherwise the

@@ -117,6 +117,23 @@ class BucketPlan:
         return cls(names, shapes, dtypes, tuple(buckets), tuple(bucket_of))
 
 
+IN_PLACE_MIN_TENSOR_BYTES = 64 << 10
+"""Where the reduction can take gradients where autograd put them, a bucket of several tensors is reduced so
+only if they average at least this size (see :func:`reduced_in_place`)."""
+
+
+def reduced_in_place(bucket: Bucket) -> bool:
+    """Whether a reduction that can take gradients where autograd put them takes this bucket's so.
+
+    Taking them in place saves copying each gradient into the bucket buffer,
+    but the reduction then runs one kernel per tensor and device where one
+    per device would do: on CPU a kernel launch costs about as much as
+    copying 10 KB. For a bucket of many small tensors the copy is cheaper;
+    for one tensor, or large ones (a real model's), the copy is the cost.
+    """
+    return len(bucket.params) == 1 or bucket.nbytes >= IN_PLACE_MIN_TENSOR_BYTES * len(bucket.params)
+
+
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import gsync
-from gsync.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory
+from gsync.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
 from gsync.context import LastArrivals
 
 
@@ -126,3 +126,10 @@ def test_owns_its_memory_tells_a_gradient_that_shares_memory_with_one_backward_s
     (torch.tanh(x * 2 + shift.unsqueeze(0)).sum() + (torch.randn(3, 5) * bias).sum()).backward()
     assert seen == {"shift": False, "bias": True}
     assert owns_its_memory(shift.grad)  # once backward has let go of the rest
+
+
+def test_buckets_of_one_tensor_or_large_tensors_are_reduced_in_place_many_small_ones_through_their_buffer() -> None:
+    small = BucketPlan.build(named(64, 64, 64), first_bucket_bytes=1 << 30, bucket_cap_bytes=1 << 30)
+    large = BucketPlan.build(named(1 << 16, 8, 1 << 16), first_bucket_bytes=1 << 30, bucket_cap_bytes=1 << 30)
+    single = BucketPlan.build(named(4), first_bucket_bytes=1 << 30, bucket_cap_bytes=1 << 30)
+    assert [reduced_in_place(plan.buckets[0]) for plan in (small, large, single)] == [False, True, True]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,11 +65,23 @@ async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_buc
     assert may_wake == steps * result.stats.buckets
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
-async def test_grads_stay_where_autograd_put_them_unless_a_step_accumulates(accumulate: int) -> None:
-    """In one process on CPU the reduction takes each replica's gradients as they are: no bucket copy.
+def wide() -> nn.Module:
+    """Tensors of 177 KiB on average: large enough for the in-process reduction to take them in place."""
+    return nn.Sequential(nn.Linear(12, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 5))
 
-    With accumulation the step's batches add up in the bucket buffers, and ``.grad`` are views into them.
+
+@pytest.mark.parametrize(
+    ("make_model", "accumulate", "in_place"),
+    [(wide, 1, True), (wide, 2, False), (Deep, 1, False)],
+    ids=["large-tensors", "large-tensors-accumulated", "small-tensors"],
+)
+async def test_where_gradients_live_between_steps_in_one_process(
+    make_model: Callable[[], nn.Module], accumulate: int, in_place: bool
+) -> None:
+    """In one process on CPU the reduction takes each replica's gradients where autograd put them: no copy.
+
+    A step that accumulates forms its gradients in the bucket buffers, and ``.grad`` are views into them; so
+    are the gradients of a bucket of small tensors, where one kernel over the buffer beats one per tensor.
     """
     storages: list[set[int]] = []
 
@@ -76,16 +89,16 @@ async def test_grads_stay_where_autograd_put_them_unless_a_step_accumulates(accu
         storages.append({p.grad.untyped_storage().data_ptr() for p in replica.parameters() if p.grad is not None})
         return classification_loss(replica, batch)
 
-    engine = gsync.Engine(["cpu:0", "cpu:1"])  # the 25 MiB default holds this model in one bucket
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=25)  # one bucket
     result = await engine.fit(
-        Deep(), make_batches(3 * accumulate, 12), optimizer=sgd, loss_fn=loss_fn, accumulate=accumulate
+        make_model(), make_batches(3 * accumulate, 12), optimizer=sgd, loss_fn=loss_fn, accumulate=accumulate
     )
     assert result.stats.buckets == 1
-    # Every call but each device's first (which sees the previous step's gradients, or none before step 0).
+    # Every call after step 0 (whose first calls see no gradients yet).
     after_a_step = [ptrs for ptrs in storages[2 * accumulate :] if ptrs]
-    params = len(list(Deep().parameters()))
     assert len(after_a_step) == 4 * accumulate
-    if accumulate == 1:
+    if in_place:
+        params = len(list(make_model().parameters()))
         assert all(len(ptrs) == params for ptrs in after_a_step)  # one tensor of autograd's per parameter
     else:
         assert all(len(ptrs) == 1 for ptrs in after_a_step)  # views into one bucket buffer
