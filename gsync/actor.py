@@ -9,10 +9,12 @@ one pass when backward returns. The backward passes before the last only add
 their weighted gradients into the buckets, so accumulation moves no bytes.
 Buckets with gradients that never arrived (unused parameters, or a
 device with an empty shard) are posted when the last backward returns, their
-missing gradients zero. In one process on CPU a step of one batch leaves
-the gradients where autograd put them, and the reduction takes them there. The actor then waits for ``StepSynced``, runs the
-optimizer step (with clipping, the GradScaler and the LR scheduler of the
-recipe) in its thread, and posts ``StepApplied`` to the session.
+missing gradients zero. (In one process on CPU a step of one batch leaves
+most gradients where autograd put them, and the reduction takes them
+there: see :func:`~gsync.buckets.reduced_in_place`.) The actor then waits
+for ``StepSynced``, runs the optimizer step (with clipping, the GradScaler
+and the LR scheduler of the recipe) in its thread, and posts
+``StepApplied`` to the session.
 
 Nothing heavy runs on the event loop. If the actor is cancelled mid-job, the
 job stops at its next phase boundary or gradient hook (the last bucket has

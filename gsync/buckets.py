@@ -15,8 +15,9 @@ copied into its slot once: by its readiness hook, or for the last bucket's
 parameters (which have no hook once the plan is final) in one pass when
 backward returns (see :class:`ReplicaGrads`). In one process on CPU, and for
 a run of one device, the reduction takes the gradients where autograd put
-them instead, and a bucket buffer holds only what must be formed in it first
-(a step's accumulated batches, sparse gradients).
+them instead (see :func:`reduced_in_place`), and a bucket buffer holds only
+what must be formed in it first (a step's accumulated batches, sparse
+gradients) or a bucket of many small tensors.
 """
 
 from __future__ import annotations
@@ -118,8 +119,8 @@ class BucketPlan:
 
 
 IN_PLACE_MIN_TENSOR_BYTES = 64 << 10
-"""Where the reduction can take gradients where autograd put them, a bucket of several tensors is reduced so
-only if they average at least this size (see :func:`reduced_in_place`)."""
+"""The average tensor size from which a bucket of several tensors is reduced where autograd put them, where
+the reduction can (see :func:`reduced_in_place`)."""
 
 
 def reduced_in_place(bucket: Bucket) -> bool:
@@ -189,8 +190,8 @@ class ReplicaGrads:
 
         A replica whose gradients are reduced where autograd put them (alone
         in its run, or in one process on CPU) allocates a bucket only for what
-        goes through it (accumulated steps, sparse gradients), so it does not
-        hold a second copy of every gradient.
+        goes through it (accumulated steps, sparse gradients, buckets of small
+        tensors), so it does not hold a second copy of every gradient.
         """
         flat = self._flats[bucket]
         if flat is None:

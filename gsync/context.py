@@ -192,7 +192,8 @@ class ActorContext:
     """Gradients stay where autograd put them, as in a plain loop, rather than being copied into the bucket
     buffers: the run has one device in all (nothing to reduce), or its reduction takes each device's gradient
     tensors as they are (:meth:`~gsync.LocalCollective.all_reduce_each`). Buckets then hold only what must be
-    formed first: a step's accumulated batches and sparse gradients."""
+    formed first (a step's accumulated batches, sparse gradients) and buckets of many small tensors (see
+    :func:`~gsync.buckets.reduced_in_place`)."""
     alone: bool = False
     """One device in the whole run, without compression: a reduction is the identity."""
 

@@ -87,11 +87,11 @@ class SyncServer:
         self._collective = collective
         # Gradients left in .grad (context.grads_in_place) are reduced where they are, which only the
         # in-process collective can do.
-        self._in_place: LocalCollective | None = None
+        self._in_place_collective: LocalCollective | None = None
         if context.grads_in_place and not context.alone:
             if not isinstance(collective, LocalCollective):
                 raise ValueError(f"gradients left in .grad need a LocalCollective to reduce them, not {collective!r}")
-            self._in_place = collective
+            self._in_place_collective = collective
         self._agreement = agreement
         self._rebuild = rebuild
         # The session's settings (timeout, trace, fault hooks, abort flag) come
@@ -269,10 +269,10 @@ class SyncServer:
             # One device in the whole run: the reduction is the identity, and its
             # bucket may not even exist (the gradients stay in .grad).
             transfer, nbytes = None, 0
-        elif self._in_place is not None:
+        elif self._in_place_collective is not None:
             grads = [device.bucket_grads(bucket) for device in self._devices]
             nbytes = self._context.plan.buckets[bucket].numel * grads[0][0].element_size()
-            transfer = partial(self._reduce_in_place, self._in_place, grads, weights, nbytes)
+            transfer = partial(self._reduce_in_place, self._in_place_collective, grads, weights, nbytes)
         else:
             flats = [device.bucket_buffer(bucket) for device in self._devices]
             nbytes = flats[0].numel() * flats[0].element_size()

@@ -2,14 +2,15 @@
 
 On CPU, "devices" share one address space, so an all-reduce is arithmetic:
 the weighted sum formed in the first device's tensors (one fused pass for
-two devices), then copied to each other device's. It runs in gsync's communication thread,
-so the event loop never waits on it.
+two devices), then copied to each other device's. It runs in gsync's
+communication thread, so the event loop never waits on it.
 
 Besides the :class:`~gsync.Collective` protocol's flat buffers, it reduces
-a bucket as each device's list of gradient tensors (:meth:`LocalCollective.all_reduce_each`):
-the devices' gradients can then stay where autograd put them, instead of
-being copied into bucket buffers first, one pass over every gradient per
-device and step that only a transport needing contiguous bytes must pay.
+a bucket as each device's list of gradient tensors
+(:meth:`LocalCollective.all_reduce_each`): the devices' gradients can then
+stay where autograd put them, instead of being copied into bucket buffers
+first, a pass over every gradient per device and step that only a
+transport needing contiguous bytes must pay.
 """
 
 from __future__ import annotations
