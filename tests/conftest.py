@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from plain_loop import train_steps
 from torch import nn
 
+import gsync
 from gsync_pytest import gsync_threads  # noqa: F401 - tests import it from here
 
 # gsync's own plugin (the one users get through its pytest11 entry point) checks every test of this suite for
@@ -115,3 +117,60 @@ def assert_same_state(actual: nn.Module, expected: nn.Module, atol: float = 2e-5
     expected_state = expected.state_dict()
     for name, value in actual.state_dict().items():
         torch.testing.assert_close(value, expected_state[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class BackwardGate:
+    """Holds backward where a model calls :meth:`hold`, at ``step``, until that step's first ``reductions``
+    bucket reductions are done: a test that sees them done knows they ran while backward was still running.
+
+    Pass :attr:`trace` to the engine. Steps are counted per thread (each device's backward runs in that
+    device's own thread, step after step), so hold at a step after the first, whose devices run in turn. Until
+    :attr:`armed` is set, :meth:`hold` lets backward through (a reference run of the same model).
+    """
+
+    def __init__(self, step: int, reductions: int, timeout: float = 10.0) -> None:
+        self.step, self.reductions, self.timeout = step, reductions, timeout
+        self.armed = False
+        self._done = threading.Condition()
+        self._reduced = 0
+        self._steps_in_thread = threading.local()
+        gate = self
+
+        class CountingTrace(gsync.Trace):
+            def record(self, event: gsync.TraceEvent) -> None:
+                super().record(event)
+                if event.name == "all_reduce" and event.step == gate.step:
+                    with gate._done:
+                        gate._reduced += 1
+                        gate._done.notify_all()
+
+        self.trace = CountingTrace()
+
+    def hold(self, x: torch.Tensor) -> torch.Tensor:
+        return _Held.apply(x, self)  # type: ignore[no-any-return]
+
+    def _wait(self) -> None:
+        if not self.armed:
+            return
+        step = self._steps_in_thread.__dict__.setdefault("count", 0)
+        self._steps_in_thread.count += 1
+        if step != self.step:
+            return
+        with self._done:
+            if not self._done.wait_for(lambda: self._reduced >= self.reductions, timeout=self.timeout):
+                raise AssertionError(
+                    f"{self._reduced} of the first {self.reductions} reductions of step {self.step} were done "
+                    "while backward was running"
+                )
+
+
+class _Held(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: BackwardGate) -> torch.Tensor:
+        ctx.gate = gate
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.gate._wait()
+        return grad, None

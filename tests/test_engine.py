@@ -13,6 +13,7 @@ import gsync
 from gsync.mailbox import Mailbox
 from gsync.messages import BucketReady
 from conftest import (
+    BackwardGate,
     Deep,
     TiedNet,
     assert_no_tasks_left,
@@ -112,37 +113,17 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
     At step 1: the first step runs its devices in turn (FirstStepInTurn), so
     there a device's backward cannot wait for the other device's buckets.
     """
-    reduced_first_bucket = threading.Event()
-    backwards_in_thread = threading.local()
-
-    class SignallingTrace(gsync.Trace):
-        def record(self, event: gsync.TraceEvent) -> None:
-            super().record(event)
-            if event.name == "all_reduce" and event.bucket == 0 and event.step == 1:
-                reduced_first_bucket.set()
-
-    class WaitForFirstReduction(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            # Each device's backward runs in that device's own thread, step after step.
-            step = backwards_in_thread.__dict__.setdefault("count", 0)
-            backwards_in_thread.count += 1
-            if step == 1 and not reduced_first_bucket.wait(10):
-                raise AssertionError("bucket 0 was not reduced while backward was running")
-            return grad
+    gate = BackwardGate(step=1, reductions=1)  # bucket 0's, as reductions run in bucket order
+    gate.armed = True
 
     class Gated(Deep):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = WaitForFirstReduction.apply(torch.relu(self.layers[0](x)))
+            x = gate.hold(torch.relu(self.layers[0](x)))
             for layer in self.layers[1:]:
                 x = torch.relu(layer(x))
             return self.head(x)
 
-    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=SignallingTrace())
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=gate.trace)
     result = await engine.fit(Gated(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
 
     assert result.trace is not None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from conftest import BackwardGate, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
 
@@ -38,37 +38,8 @@ async def test_the_reduction_never_writes_into_a_gradient_backward_still_reads()
 
     ``h``'s backward waits, at step 1, until the buckets before it were reduced; step 0 runs its devices in turn.
     """
-    reduced = threading.Condition()
-    reductions_at_step_1 = 0
-    steps_in_thread = threading.local()
-    training_with_gsync = False
-
-    class CountingTrace(gsync.Trace):
-        def record(self, event: gsync.TraceEvent) -> None:
-            nonlocal reductions_at_step_1
-            super().record(event)
-            if event.name == "all_reduce" and event.step == 1:
-                with reduced:
-                    reductions_at_step_1 += 1
-                    reduced.notify_all()
-
-    class AfterTheHeadAndShiftAreReduced(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
-            if not training_with_gsync:
-                return grad  # the reference
-            step = steps_in_thread.__dict__.setdefault("count", 0)
-            steps_in_thread.count += 1
-            if step == 1:
-                with reduced:
-                    # head.weight, head.bias and shift: one bucket each, all final by now.
-                    if not reduced.wait_for(lambda: reductions_at_step_1 >= 3, timeout=10):
-                        raise AssertionError("the head's and shift's buckets were not reduced during backward")
-            return grad
+    # head.weight, head.bias and shift: one bucket each, all final before h's backward.
+    gate = BackwardGate(step=1, reductions=3)
 
     class Shifted(nn.Module):
         def __init__(self) -> None:
@@ -78,7 +49,7 @@ async def test_the_reduction_never_writes_into_a_gradient_backward_still_reads()
             self.head = nn.Linear(6, 2)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = AfterTheHeadAndShiftAreReduced.apply(self.first(x))
+            h = gate.hold(self.first(x))
             return self.head(torch.tanh(h + self.shift.unsqueeze(0)))
 
     torch.manual_seed(3)
@@ -86,9 +57,9 @@ async def test_the_reduction_never_writes_into_a_gradient_backward_still_reads()
     batches = make_batches(steps=3, rows=2, d_in=4, classes=2, seed=3)
     expected_model, expected_losses = train_reference(model, batches)
 
-    training_with_gsync = True
+    gate.armed = True
     tiny = 1e-6  # MiB: one parameter per bucket
-    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=tiny, bucket_cap_mb=tiny, trace=CountingTrace())
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=tiny, bucket_cap_mb=tiny, trace=gate.trace)
     result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
 
     assert result.stats.buckets == 5
