@@ -43,20 +43,22 @@ class _ThreadProbe:
         self.seen: dict[str, int] = {}
         self.max_os_threads = 0
         self.samples: list[tuple[float, int]] = []
-        """(process CPU seconds, minor faults) at each forward of the first device seen."""
-        self._first: str | None = None
+        """(process CPU seconds, minor faults) at each forward of the first replica seen: once per step,
+        whichever thread runs it (devices may share one)."""
+        self._first: int | None = None
         self._lock = threading.Lock()
 
-    def observe(self) -> None:
+    def observe(self, replica: torch.nn.Module) -> None:
         name = threading.current_thread().name
         if name not in self.seen:
             if self.set_threads is not None:
                 torch.set_num_threads(self.set_threads)
             with self._lock:
                 self.seen[name] = torch.get_num_threads()
-                if self._first is None:
-                    self._first = name
-        if name == self._first:
+        with self._lock:
+            if self._first is None:
+                self._first = id(replica)
+        if id(replica) == self._first:
             self.samples.append((time.process_time(), minor_faults()))
         self.max_os_threads = max(self.max_os_threads, os_threads() or 0)
 
@@ -80,6 +82,7 @@ async def gsync_steps(
     threads_mode: str = "main",
     loop: str = "fit",
     checkpoint_every: int | None = None,
+    device_threads: str = "auto",
 ) -> dict[str, Any]:
     """(c) gsync on ``devices`` virtual CPU devices, reference workload.
 
@@ -92,7 +95,7 @@ async def gsync_steps(
     traced fit of ``steps`` steps is measured. Step time = period between consecutive
     optimizer ends in the trace (the first period of the fit dropped).
 
-    ``threads``: torch intra-op threads; ``threads_mode`` "main" calls
+    ``device_threads``: ``gsync.Engine``'s setting. ``threads``: torch intra-op threads; ``threads_mode`` "main" calls
     ``torch.set_num_threads`` in the main thread before the fit (worker threads pick the
     value up when they first run an op), "in_thread" calls it inside ``loss_fn`` once per
     worker thread.
@@ -116,11 +119,14 @@ async def gsync_steps(
         collective_cls.all_reduce_each = probed_all_reduce  # type: ignore[union-attr]
 
     def probed_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        probe.observe()
+        probe.observe(model)
         return loss_fn(model, batch)
 
     model = make_mlp()
-    engine = gsync.Engine(_devices(devices), bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, trace=True)
+    engine = gsync.Engine(
+        _devices(devices), bucket_cap_mb=bucket_cap_mb, first_bucket_mb=first_bucket_mb, trace=True,
+        device_threads=device_threads,  # type: ignore[arg-type]
+    )
     await engine.fit(model, make_batches(warmup), optimizer=sgd, loss_fn=probed_loss)
     data = make_batches(steps)
     probe.samples.clear()
@@ -210,6 +216,7 @@ async def gsync_control_plane(
     devices: int = 2,
     layers: int = TINY_LAYERS,
     bucket_mb: float | None = None,
+    device_threads: str = "auto",
 ) -> dict[str, Any]:
     """Time per step of gsync on the tiny model (``layers`` x Linear(8, 8)), without trace.
 
@@ -219,13 +226,14 @@ async def gsync_control_plane(
     thread posts, loop iterations and loop wake-ups (:class:`_LoopCounter`).
     ``per_param_buckets`` gives every parameter its own bucket (the worst case for
     per-message costs); ``bucket_mb`` sets both bucket caps (a large value: one bucket).
+    ``device_threads``: ``gsync.Engine``'s setting.
     """
     counter = _LoopCounter()
     model = make_tiny(layers)
     cap, first = (25.0, 1.0) if bucket_mb is None else (bucket_mb, bucket_mb)
     if per_param_buckets:
         cap = first = 1e-9
-    engine = gsync.Engine(_devices(devices), bucket_cap_mb=cap, first_bucket_mb=first)
+    engine = gsync.Engine(_devices(devices), bucket_cap_mb=cap, first_bucket_mb=first, device_threads=device_threads)  # type: ignore[arg-type]
     await engine.fit(model, make_tiny_batches(20), optimizer=sgd, loss_fn=tiny_loss)  # warm-up
     short_data, long_data = make_tiny_batches(short_steps), make_tiny_batches(long_steps)
     per_step: dict[str, list[float]] = {"wall": [], "loop_cpu": [], "posts": [], "polls": [], "wakeups": []}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .common import noisy_mark
@@ -36,7 +37,12 @@ def _floor(configs: dict[str, Any]) -> tuple[str, float] | None:
 def step_ratios(configs: dict[str, Any]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     floor = _floor(configs)
-    for key, name in (("gsync", "gsync"), ("gsync_session", "gsync session.step"), ("gsync_t1", "gsync(threads=1)")):
+    for key, name in (
+        ("gsync", "gsync"),
+        ("gsync_session", "gsync session.step"),
+        ("gsync_per_device", "gsync(thread per device)"),
+        ("gsync_t1", "gsync(per device, threads=1)"),
+    ):
         if key not in configs:
             continue
         ms = configs[key]["median_ms"]
@@ -77,7 +83,7 @@ def print_step(step: dict[str, Any]) -> None:
         print(f"(floor = the faster floor row: {configs[floor[0]]['label']})")
     print("\nratio                                  value   target")
     for name, value in step["ratios"].items():
-        target = TARGETS.get(name.replace("(threads=1)", ""))
+        target = TARGETS.get(re.sub(r"\(.*\)", "", name))
         verdict = "" if target is None else f"<= {target:.2f}  {'met' if value <= target else 'MISSED'}"
         print(f"  {name:34} {value:6.3f}   {verdict}")
     for key in ("gsync", "gsync_t1"):
@@ -160,7 +166,11 @@ def control8_ratios(control8: dict[str, Any]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     if threads is not None and seq is not None:
         ratios["8 plain threads, no sync / sequential"] = threads["step"]["median_ms"] * 1e3 / seq["us_per_step"]
-    for name, r in (("one bucket", one), ("one bucket per tensor", per)):
+    for name, r in (
+        ("one bucket", one),
+        ("one bucket, a thread per device", control8.get("one_bucket_per_device")),
+        ("one bucket per tensor", per),
+    ):
         if r is not None and seq is not None:
             ratios[f"gsync8 / sequential ({name})"] = r["us_per_step"] / seq["us_per_step"]
     if one is not None and threads is not None:
@@ -178,7 +188,14 @@ def control8_ratios(control8: dict[str, Any]) -> dict[str, float]:
 
 def print_control8(control8: dict[str, Any]) -> None:
     seq = control8.get("sequential")
-    rows = [(name, control8.get(key)) for key, name in (("one_bucket", "one bucket"), ("per_tensor", "one bucket per tensor"))]
+    rows = [
+        (name, control8.get(key))
+        for key, name in (
+            ("one_bucket", "one bucket"),
+            ("one_bucket_per_device", "one bucket, thread/device"),
+            ("per_tensor", "one bucket per tensor"),
+        )
+    ]
     params = next((r["params"] for _, r in rows if r is not None), None)
     print(f"\n== 2b. control plane at 8 devices: {_fmt(params, 'd')} parameter tensors (Linear(8,8)), batch 16 ==")
     if seq is not None:
@@ -189,13 +206,13 @@ def print_control8(control8: dict[str, Any]) -> None:
         print(f"  8 plain threads, one replica each, no synchronization at all (the cost of a thread per device): "
               f"{threads['step']['median_ms']:.2f} ms/step{noisy_mark(threads)} "
               f"(other load {_fmt(threads.get('other_load_cores'), '.2f')})")
-    print(f"  {'gsync 8 x cpu':24} {'ms/step':>8} {'vs seq':>6} {'loop CPU ms':>11} {'buckets':>7} {'BucketReady':>11} "
+    print(f"  {'gsync 8 x cpu':25} {'ms/step':>8} {'vs seq':>6} {'loop CPU ms':>11} {'buckets':>7} {'BucketReady':>11} "
           f"{'thread posts':>12} {'loop iters':>10} {'wake-ups':>8} {'other load':>10}")
     for name, r in rows:
         if r is None:
             continue
         ratio = r["us_per_step"] / seq["us_per_step"] if seq is not None else None
-        print(f"  {name:24} {r['us_per_step'] / 1e3:7.2f}{noisy_mark(r)} {_fmt(ratio, '.2f'):>6} "
+        print(f"  {name:25} {r['us_per_step'] / 1e3:7.2f}{noisy_mark(r)} {_fmt(ratio, '.2f'):>6} "
               f"{r['loop_cpu_us_per_step'] / 1e3:11.2f} {r['buckets']:7d} {r['messages_per_step']:11.0f} "
               f"{r['thread_posts_per_step']:12.0f} {r['loop_iterations_per_step']:10.0f} {r['loop_wakeups_per_step']:8.0f} "
               f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")

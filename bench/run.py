@@ -93,9 +93,10 @@ STEP_CONFIGS: tuple[tuple[str, str], ...] = (
     ("gsync_1", "gsync 1 x cpu (default threads)"),
     ("floor_t1", "floor: 2 threads x set_num_threads(1)"),
     ("floor_inherit", "floor: 2 threads, inherited threads"),
-    ("gsync", "gsync 2 x cpu (default threads)"),
+    ("gsync", "gsync 2 x cpu (default: shared thread)"),
     ("gsync_session", "gsync 2 x cpu, session.step loop"),
-    ("gsync_t1", "gsync 2 x cpu, set_num_threads(1)"),
+    ("gsync_per_device", "gsync 2 x cpu, a thread per device"),
+    ("gsync_t1", "gsync 2 x cpu, per device x 1 thread"),
     ("ddp", "DDP gloo, 2 procs x 1 thread"),
 )
 
@@ -204,8 +205,12 @@ class Runner:
             return self.task(label, "gsync", steps=steps, warmup=warmup, devices=1)
         if key == "gsync_session":
             return self.task(label, "gsync", steps=steps, warmup=warmup, loop="session")
+        if key == "gsync_per_device":
+            return self.task(label, "gsync", steps=steps, warmup=warmup, device_threads="per_device")
         if key == "gsync_t1":
-            return self.task(label, "gsync", steps=steps, warmup=warmup, threads=1, threads_mode="main")
+            # One intra-op thread each only makes sense with a thread per device.
+            return self.task(label, "gsync", steps=steps, warmup=warmup, threads=1, threads_mode="main",
+                             device_threads="per_device")
         if key == "ddp":
             return self.ddp(label, steps, warmup)
         raise KeyError(key)
@@ -311,6 +316,11 @@ def section_control8(runner: Runner) -> dict[str, Any]:
         "one_bucket": runner.task(
             f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket", "gsync_control_plane",
             short_steps=plan.control8_short, long_steps=plan.control8_long, bucket_mb=1024.0, **common,
+        ),
+        "one_bucket_per_device": runner.task(
+            f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket, a thread per device", "gsync_control_plane",
+            short_steps=plan.control8_short, long_steps=plan.control8_long, bucket_mb=1024.0,
+            device_threads="per_device", **common,
         ),
         "per_tensor": runner.task(
             f"control8: gsync {CONTROL8_DEVICES} x cpu, one bucket per tensor", "gsync_control_plane",

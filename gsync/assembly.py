@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ._threads import LoopHandle
+from ._threads import LoopHandle, WorkerThread
 from .actor import DeviceActor
 from .agreement import LocalAgreement, StepAgreement
 from .buckets import BucketPlan
@@ -120,14 +120,20 @@ def assemble(
         streams=streams,
         grads_in_place=grads_in_place,
         alone=alone,
-        # CPU kernels only: on GPUs the devices' first steps stay concurrent.
+        shared_thread=engine.shared_thread,
+        # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
+        # thread the devices take turns anyway.
         first_step=(
             FirstStepInTurn(len(replicas))
-            if len(replicas) > 1 and all(spec.torch_device.type == "cpu" for spec in engine.devices)
+            if len(replicas) > 1
+            and not engine.shared_thread
+            and all(spec.torch_device.type == "cpu" for spec in engine.devices)
             else None
         ),
         arrivals=LastArrivals(len(replicas), len(plan.names)),
     )
+    # Started by its first job, like every worker thread; stopped and joined once by the teardown.
+    shared = WorkerThread("gsync-devices", loop) if engine.shared_thread else None
     actors = []
     for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
         # Bucket buffers are allocated on the compute stream that uses them.
@@ -141,6 +147,7 @@ def assemble(
                     context=context,
                     scheduler=replica.scheduler,
                     scaler=replica.scaler,
+                    worker=shared,
                 )
             )
     first = actors[0]

@@ -196,6 +196,8 @@ class ActorContext:
     :func:`~gsync.buckets.reduced_in_place`)."""
     alone: bool = False
     """One device in the whole run, without compression: a reduction is the identity."""
+    shared_thread: bool = False
+    """This process's devices take turns on one compute thread (``Engine(device_threads=...)``)."""
 
 
 class DeviceEndpoint(Protocol):
@@ -213,3 +215,8 @@ class DeviceEndpoint(Protocol):
     def bucket_grads(self, bucket: int) -> list[torch.Tensor]: ...
 
     def where(self) -> str: ...
+
+    @property
+    def queued(self) -> bool:
+        """Its job waits for the thread it shares with other devices (so another device holds it up)."""
+        ...

@@ -155,8 +155,10 @@ class SyncServer:
             return self._finish_step(StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last))
 
         turns = self._context.first_step if self.steps_synced == 0 else None
-        # The first step of CPU devices runs them one after another (FirstStepInTurn): it may take as many times longer.
-        timeout = self._timeout * (turns.devices if turns is not None else 1)
+        # Devices that run one after another (on one shared thread, or in the first step's turns) may take
+        # as many times longer: each has the full timeout for its own part.
+        in_turn = self._context.shared_thread or turns is not None
+        timeout = self._timeout * (num_devices if in_turn else 1)
         with anyio.move_on_after(timeout) as deadline:
             while not finished:
                 message = await self.mailbox.receive()
@@ -202,8 +204,13 @@ class SyncServer:
             while (late := self.mailbox.receive_nowait()) is not None:
                 if isinstance(late, BucketReady) and late.step == step:
                     arrived[late.bucket][late.device] = 1
-            # A device still waiting for its first-step turn is held up by the one before it, which is named.
-            blamed = [device for device in range(num_devices) if turns is None or not turns.queued(device)]
+            # A device still waiting for its first-step turn, or for the thread it shares with the
+            # other devices, is held up by another device, which is named.
+            blamed = [
+                device
+                for device in range(num_devices)
+                if not self._devices[device].queued and (turns is None or not turns.queued(device))
+            ] or list(range(num_devices))
             missing_pairs = [
                 (self._devices[device].name, bucket)
                 for bucket in range(num_buckets)

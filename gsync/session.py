@@ -682,7 +682,8 @@ class Session:
         for actor in self._actors:
             actor.close()
             actor.mailbox.discard()
-            workers.append(actor.worker)
+            if actor.worker not in workers:  # CPU devices may share one
+                workers.append(actor.worker)
         if self._server is not None and self._streams is not None:
             streams = self._streams
             # The last job of the communication thread waits for every stream's queued

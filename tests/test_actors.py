@@ -129,6 +129,7 @@ class FakeDevice:
         self.index = index
         self.plan = plan
         self.name = f"fake:{index}"
+        self.queued = False
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {self.name}", loop)
         self.buffers = [torch.zeros(bucket.numel) for bucket in plan.buckets]
         self.launched: list[int] = []

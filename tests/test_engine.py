@@ -111,7 +111,8 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
 
     If reductions only started after backward returned, this would time out.
     At step 1: the first step runs its devices in turn (FirstStepInTurn), so
-    there a device's backward cannot wait for the other device's buckets.
+    there a device's backward cannot wait for the other device's buckets. Each device in its own thread: on
+    one shared thread a device's backward would wait for a peer that cannot run until it returns.
     """
     gate = BackwardGate(step=1, reductions=1)  # bucket 0's, as reductions run in bucket order
     gate.armed = True
@@ -123,7 +124,9 @@ async def test_reductions_start_during_backward_in_bucket_order() -> None:
                 x = torch.relu(layer(x))
             return self.head(x)
 
-    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=gate.trace)
+    engine = gsync.Engine(
+        ["cpu:0", "cpu:1"], first_bucket_mb=0.01, bucket_cap_mb=0.02, trace=gate.trace, device_threads="per_device"
+    )
     result = await engine.fit(Gated(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
 
     assert result.trace is not None
@@ -165,16 +168,23 @@ async def test_generator_data_is_read_off_the_loop(no_leaks: None) -> None:
     assert reader_threads and loop_thread not in reader_threads
 
 
-async def test_forward_backward_and_step_run_off_the_event_loop() -> None:
+@pytest.mark.parametrize(
+    ("device_threads", "names"),
+    [("auto", {"gsync-devices"}), ("shared", {"gsync-devices"}), ("per_device", {"gsync-device-0", "gsync-device-1"})],
+)
+async def test_forward_backward_and_step_run_off_the_event_loop(device_threads: str, names: set[str]) -> None:
     loop_thread = threading.get_ident()
     threads: set[int] = set()
+    seen: set[str] = set()
 
     def loss_fn(replica: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         threads.add(threading.get_ident())
+        seen.add(threading.current_thread().name)
         return classification_loss(replica, batch)
 
-    await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=loss_fn)
-    assert len(threads) == 2 and loop_thread not in threads
+    engine = gsync.Engine(["cpu:0", "cpu:1"], device_threads=device_threads)  # type: ignore[arg-type]
+    await engine.fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=loss_fn)
+    assert seen == names and len(threads) == len(names) and loop_thread not in threads
 
 
 async def test_worker_exception_surfaces_as_worker_failed(no_leaks: None) -> None:

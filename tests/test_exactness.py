@@ -59,7 +59,10 @@ async def test_the_reduction_never_writes_into_a_gradient_backward_still_reads()
 
     gate.armed = True
     tiny = 1e-6  # MiB: one parameter per bucket
-    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=tiny, bucket_cap_mb=tiny, trace=gate.trace)
+    # Each device in its own thread: on a shared one, a held backward would wait for a peer that cannot run.
+    engine = gsync.Engine(
+        ["cpu:0", "cpu:1"], first_bucket_mb=tiny, bucket_cap_mb=tiny, trace=gate.trace, device_threads="per_device"
+    )
     result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
 
     assert result.stats.buckets == 5
@@ -250,7 +253,8 @@ async def test_sparse_gradients_match_single_device_training(num_devices: int) -
 async def test_first_step_runs_devices_in_turn_and_later_steps_at_once() -> None:
     # Torch's first use of some CPU kernels from two threads at once now and then rounds differently
     # (1 fresh process in ~20 runs of a 2-device fit differed in the last bit before this).
-    # The first step's forward and backward therefore run one device at a time, in device order.
+    # The first step's forward and backward therefore run one device at a time, in device order. (Devices that
+    # share one thread, the default on CPU, take turns at every step.)
     lock = threading.Lock()
     inside: list[int] = []
     overlaps: list[tuple[int, int]] = []
@@ -281,6 +285,7 @@ async def test_first_step_runs_devices_in_turn_and_later_steps_at_once() -> None
     for step, batch in enumerate(batches):
         batch[0][:, 0] = torch.arange(8) // 4
         batch[0][:, 1] = step
-    await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), batches, optimizer=sgd, loss_fn=loss_fn)
+    engine = gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device")
+    await engine.fit(TiedNet(), batches, optimizer=sgd, loss_fn=loss_fn)
     assert [device for step, device in entered if step == 0] == [0, 1]
     assert all(step == 1 for step, _ in overlaps) and overlaps

@@ -78,7 +78,8 @@ async def test_several_failures_report_the_earliest_and_keep_the_others(no_leaks
     first, batch = make_batches(2, 12)
     first[0][:, 0] = -1.0
     batch[0][:, 0] = torch.arange(12) // 4  # each row names the device of its shard
-    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"])
+    # Failures at the same time need devices running at the same time: each in its own thread.
+    engine = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], device_threads="per_device")
     with pytest.raises(gsync.WorkerFailed) as caught:
         # At step 1: a session's first step runs its devices in turn (FirstStepInTurn), later ones at once.
         await engine.fit(TiedNet(), [first, batch], optimizer=sgd, loss_fn=loss_fn)
@@ -143,8 +144,11 @@ async def test_stalled_device_raises_sync_timeout_naming_it(site: str, no_leaks:
     assert time.monotonic() - started < 10
 
 
-async def test_uninterruptible_stall_still_raises_in_time_and_the_thread_ends_when_released() -> None:
-    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3)
+@pytest.mark.parametrize(("device_threads", "thread"), [("shared", "gsync-devices"), ("per_device", "gsync-device-0")])
+async def test_uninterruptible_stall_still_raises_in_time_and_the_thread_ends_when_released(
+    device_threads: str, thread: str
+) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3, device_threads=device_threads)  # type: ignore[arg-type]
     fault = gsync.testing.stall(device=0, step=1, site="forward", interruptible=False)
     try:
         with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
@@ -152,10 +156,10 @@ async def test_uninterruptible_stall_still_raises_in_time_and_the_thread_ends_wh
         assert fault.fired_at is not None and time.monotonic() - fault.fired_at < 0.3 + 1.0
         assert caught.value.stalled_devices == ("cpu:0",)
         # The stuck thread is the one gsync cannot stop; it is still blocked.
-        assert gsync_threads() == ["gsync-device-0"]
+        assert gsync_threads() == [thread]
     finally:
         fault.release.set()
-    stuck = [t for t in threading.enumerate() if t.name == "gsync-device-0"]
+    stuck = [t for t in threading.enumerate() if t.name == thread]
     for thread in stuck:
         thread.join(5)
     assert gsync_threads() == []

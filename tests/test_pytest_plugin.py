@@ -209,11 +209,11 @@ def test_a_test_that_leaves_a_gsync_thread_running_fails_naming_it(user_project:
     result.stdout.fnmatch_lines(
         [
             "*test_user.py::test_leaves_a_stuck_device left gsync running (0.3 s after it returned):",
-            "*thread 'gsync-device-1'",
+            "*thread 'gsync-devices'",  # the thread this process's CPU devices share
             "*Await every fit and session the test starts*",
         ]
     )
-    result.stdout.fnmatch_lines(["*test_a_sync_test_leaves_a_stuck_device left gsync running*", "*thread 'gsync-device-0'"])
+    result.stdout.fnmatch_lines(["*test_a_sync_test_leaves_a_stuck_device left gsync running*", "*thread 'gsync-devices'"])
     failed = {line.split(" - ")[0] for line in result.stdout.lines if line.startswith("FAILED")}
     assert failed == {
         "FAILED test_user.py::test_leaves_a_stuck_device",

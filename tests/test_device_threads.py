@@ -1,0 +1,113 @@
+"""Which threads run the devices' jobs: one per device, or one that a process's CPU devices share.
+
+On a shared thread the devices take turns, so a device's job may wait behind another's. Waiting there is
+neither a stall nor a timeout of its own: deadlines count a device's own work, and a timeout names the device
+that holds the others up.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import anyio
+import pytest
+import torch
+
+import gsync
+import gsync.testing
+from gsync.distributed.heartbeat import Whereabouts
+from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def test_cpu_devices_share_one_thread_unless_asked_otherwise() -> None:
+    assert gsync.Engine(["cpu:0", "cpu:1"]).shared_thread
+    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="shared").shared_thread
+    assert not gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").shared_thread
+    assert not gsync.Engine(["cpu"]).shared_thread  # nothing to share
+
+
+def test_a_device_threads_setting_that_does_not_exist_is_refused() -> None:
+    with pytest.raises(gsync.ConfigError, match="'auto', 'shared' or 'per_device'"):
+        gsync.Engine(["cpu"], device_threads="one")  # type: ignore[arg-type]
+
+
+def test_cuda_devices_never_share_a_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(gsync.ConfigError, match="cuda:0, cuda:1 each need their own thread"):
+        gsync.Engine(["cuda:0", "cuda:1"], device_threads="shared")
+    assert not gsync.Engine(["cuda:0", "cuda:1"]).shared_thread
+
+
+@pytest.mark.asyncio
+async def test_shared_and_per_device_threads_train_the_same_replicas() -> None:
+    batches = make_batches(4, 12)
+    torch.manual_seed(0)
+    model = TiedNet()
+    expected, _ = train_reference(copy.deepcopy(model), batches)
+    trained = {}
+    for setting in ("shared", "per_device"):
+        replica = copy.deepcopy(model)
+        engine = gsync.Engine(DEVICES, first_bucket_mb=0.001, bucket_cap_mb=0.002, device_threads=setting)  # type: ignore[arg-type]
+        await engine.fit(replica, batches, optimizer=sgd, loss_fn=classification_loss)
+        assert_same_state(replica, expected)
+        trained[setting] = replica
+    # The reduction is the same computation either way: bit for bit the same parameters.
+    for name, value in trained["shared"].state_dict().items():
+        assert torch.equal(value, trained["per_device"].state_dict()[name]), name
+
+
+@pytest.mark.asyncio
+async def test_devices_taking_turns_each_get_the_whole_timeout() -> None:
+    """Each device's forward and optimizer step take 0.4 s of the 1 s timeout; three in turn take 1.2 s."""
+    slow: list[tuple[int, str]] = []
+
+    def take_time(device: int, step: int, site: str, abort: threading.Event) -> None:
+        if step == 1 and site in ("forward", "optimizer"):
+            slow.append((device, site))
+            time.sleep(0.4)  # the device's own work, not a wait for anything
+
+    engine = gsync.Engine(DEVICES, sync_timeout=1.0, device_threads="shared")
+    engine.site_hooks.append(take_time)
+    result = await engine.fit(TiedNet(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss)
+    assert len(result.losses) == 3
+    assert sorted(slow) == sorted((device, site) for device in range(3) for site in ("forward", "optimizer"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("site", ["forward", "backward", "optimizer"])
+async def test_a_stall_names_the_device_that_holds_the_thread_not_those_queued_behind_it(
+    site: str, no_leaks: None
+) -> None:
+    engine = gsync.Engine(DEVICES, sync_timeout=0.3, device_threads="shared")
+    fault = gsync.testing.stall(device=0, step=2, site=site)  # type: ignore[arg-type]
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        await engine.fit(TiedNet(), make_batches(4, 12), optimizer=sgd, loss_fn=classification_loss)
+    error = caught.value
+    assert error.stalled_devices == ("cpu:0",)
+    assert "cpu:1" not in str(error) and "cpu:2" not in str(error)
+    if site != "optimizer":
+        assert error.step == 2 and {device for device, _ in error.missing} == {"cpu:0"}
+        assert error.last_seen == {"cpu:0": f"step 2, {site}"}
+
+
+@pytest.mark.asyncio
+async def test_the_heartbeat_reports_the_device_that_holds_the_thread() -> None:
+    """A rank's heartbeat names its furthest-behind device that is not waiting; one queued behind a stall waits."""
+    engine = gsync.Engine(DEVICES, device_threads="shared")
+    fault = gsync.testing.stall(device=0, step=1, site="forward")
+    with gsync.testing.inject(engine, fault):
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            first, second = make_batches(2, 12)
+            await session.step(first)
+            async with anyio.create_task_group() as group:
+                group.start_soon(session.step, second)
+                assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
+                where = session._whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
+                queued = {actor.name: actor.queued for actor in session._actors}  # noqa: SLF001
+                group.cancel_scope.cancel()
+    assert where == Whereabouts(1, "forward", "cpu:0")
+    assert queued == {"cpu:0": False, "cpu:1": True, "cpu:2": True}
