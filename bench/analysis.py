@@ -103,15 +103,19 @@ def overlap(events: Sequence[Any], steps: Sequence[int]) -> dict[str, float]:
     }
 
 
-def critical_path(events: Sequence[Any], steps: Sequence[int]) -> dict[str, float]:
+def critical_path(events: Sequence[Any], steps: Sequence[int], shared_thread: bool = False) -> dict[str, float]:
     """Where a step's wall time goes, averaged over ``steps`` (all in µs).
 
-    - ``compute``: forward + backward + optimizer of the slowest device
+    ``shared_thread``: the devices took turns on one thread (``Engine(device_threads="shared")``), so
+    their compute adds up, and the time between steps is the thread's, not each device's.
+
+    - ``compute``: forward + backward + optimizer of the slowest device (of all devices, on a shared thread)
     - ``exposed_reduce``: last all_reduce end minus last backward end (reduction not hidden)
     - ``sync_notify``: first optimizer start minus max(last reduce end, last backward end):
       event-loop hops from "reduced" to "optimizer running"
     - ``between_steps``: per device, next forward start minus previous optimizer end
-      (thread/loop hops, shard hand-off, zeroing the gradient buckets), mean over devices
+      (thread/loop hops, shard hand-off, zeroing the gradient buckets), mean over devices; on a shared
+      thread, the first forward start minus the last optimizer end
     - ``device_skew``: last backward end minus first backward end
     """
     by = {name: _by_step(events, name) for name in ("forward", "backward", "optimizer", "all_reduce")}
@@ -127,11 +131,13 @@ def critical_path(events: Sequence[Any], steps: Sequence[int]) -> dict[str, floa
         per_device = defaultdict(float)
         for e in fwd + bwd + opt:
             per_device[e.device] += e.end_us - e.start_us
-        rows["compute"].append(max(per_device.values()))
+        rows["compute"].append(sum(per_device.values()) if shared_thread else max(per_device.values()))
         rows["exposed_reduce"].append(max(0.0, reduce_end - bwd_end))
         rows["sync_notify"].append(opt_start - max(reduce_end, bwd_end))
         rows["device_skew"].append(bwd_end - min(e.end_us for e in bwd))
-        if prev_opt:
+        if prev_opt and shared_thread:
+            rows["between_steps"].append(min(e.start_us for e in fwd) - max(e.end_us for e in prev_opt))
+        elif prev_opt:
             prev_end = {e.device: e.end_us for e in prev_opt}
             gaps = [e.start_us - prev_end[e.device] for e in fwd if e.device in prev_end]
             if gaps:
@@ -140,13 +146,13 @@ def critical_path(events: Sequence[Any], steps: Sequence[int]) -> dict[str, floa
     return {key: mean(values) for key, values in rows.items()}
 
 
-def summarize_trace(events: Sequence[Any], skip: int = 1) -> dict[str, Any]:
+def summarize_trace(events: Sequence[Any], skip: int = 1, shared_thread: bool = False) -> dict[str, Any]:
     steps = measured_steps(events, skip)
     periods = step_periods_us(events, skip)
     return {
         "step_periods_us": periods,
         "phases": phase_means_us(events, steps),
         "overlap": overlap(events, steps),
-        "critical_path_us": critical_path(events, steps),
+        "critical_path_us": critical_path(events, steps, shared_thread),
         "measured_steps": len(steps),
     }

@@ -48,6 +48,12 @@ class _ThreadProbe:
         self._first: int | None = None
         self._lock = threading.Lock()
 
+    def restart(self) -> None:
+        """Forget the samples so far: the next fit builds new replicas."""
+        with self._lock:
+            self.samples.clear()
+            self._first = None
+
     def observe(self, replica: torch.nn.Module) -> None:
         name = threading.current_thread().name
         if name not in self.seen:
@@ -129,7 +135,7 @@ async def gsync_steps(
     )
     await engine.fit(model, make_batches(warmup), optimizer=sgd, loss_fn=probed_loss)
     data = make_batches(steps)
-    probe.samples.clear()
+    probe.restart()
     window = Window()
     sizes: list[int] = []
     started = time.perf_counter()
@@ -149,7 +155,7 @@ async def gsync_steps(
     if original is not None:
         collective_cls.all_reduce_each = original  # type: ignore[union-attr]
     assert trace is not None
-    summary = summarize_trace(trace.events)
+    summary = summarize_trace(trace.events, shared_thread=engine.device_threads == "shared")
     periods = summary["step_periods_us"]
     cpu_per_step, faults_per_step = probe.steady_state()
     return {

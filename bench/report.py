@@ -81,11 +81,11 @@ def print_step(step: dict[str, Any]) -> None:
     floor = _floor(configs)
     if floor:
         print(f"(floor = the faster floor row: {configs[floor[0]]['label']})")
-    print("\nratio                                  value   target")
+    print("\nratio                                          value   target")
     for name, value in step["ratios"].items():
         target = TARGETS.get(re.sub(r"\(.*\)", "", name))
         verdict = "" if target is None else f"<= {target:.2f}  {'met' if value <= target else 'MISSED'}"
-        print(f"  {name:34} {value:6.3f}   {verdict}")
+        print(f"  {name:42} {value:6.3f}   {verdict}")
     for key in ("gsync", "gsync_t1"):
         if key in configs:
             print_trace_analysis(configs[key]["label"], configs[key]["representative"], configs.get("floor_t1"))
@@ -248,7 +248,7 @@ def print_sweeps(sweeps: dict[str, Any]) -> None:
 
 
 def print_threads(threads: dict[str, Any]) -> None:
-    print("\n== 4c. torch intra-op threads inside gsync (2 devices, reference MLP) ==")
+    print("\n== 4c. torch intra-op threads inside gsync (2 devices, a thread per device, reference MLP) ==")
     labels = {
         "default": "default (nothing set)",
         "main_set_1": "torch.set_num_threads(1) in main",

@@ -9,16 +9,18 @@ Sections (``--only`` takes a comma-separated subset; default all):
 
 - ``step``: reference MLP (784-2048-2048-2048-10, batch 256, SGD momentum) median ms/step for
   one plain process, the 2-replica compute floor (two threads, no sync), gsync on 2 CPU
-  devices (through ``fit`` and through a plain ``for`` loop over ``session.step``), torch DDP gloo
+  devices (through ``fit`` and through a plain ``for`` loop over ``session.step``, on the shared
+  thread; and with a thread per device, with 2 or 1 torch threads each), torch DDP gloo
   (2 processes x 1 thread), with ratios and gsync's trace analysis
 - ``memory``: peak RSS per configuration (each measured in its own fresh process)
 - ``control``: control-plane cost on 200 tiny parameter tensors (gsync minus the same work
   sequentially in one thread), messages per step
-- ``control8``: 8 virtual CPU devices on 100 tiny parameter tensors, one bucket and one bucket per
-  tensor, against the 8 replicas' work done sequentially in one thread: ms/step, ratio, event-loop
-  CPU, BucketReady messages, thread posts and loop wake-ups per step, loop CPU per message
+- ``control8``: 8 virtual CPU devices on 100 tiny parameter tensors, one bucket (on the shared
+  thread and with a thread per device) and one bucket per tensor, against the 8 replicas' work
+  done sequentially in one thread: ms/step, ratio, event-loop CPU, BucketReady messages, thread
+  posts and loop wake-ups per step, loop CPU per message
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
-- ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it
+- ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it (a thread per device)
 - ``checkpoint`` (full mode, or on request): gsync's step time with ``fit(checkpoint_dir=...)`` writing
   every step and every 50 steps, against none (100 measured steps each)
 - ``ablation`` (full mode, or on request): the 2-replica floor holding gradients the way gsync
@@ -369,26 +371,27 @@ def section_sweeps(runner: Runner, bucket_caps: list[float], device_counts: list
 
 
 def section_threads(runner: Runner, step: dict[str, Any] | None) -> dict[str, Any]:
-    """gsync 2 devices with torch threads left at the default (2), set to 1 in the main thread
-    before fit, and set to 1 inside loss_fn (i.e. inside each worker thread)."""
+    """gsync 2 devices, a thread per device, with torch threads left at the default (2), set to 1 in the
+    main thread before fit, and set to 1 inside loss_fn (i.e. inside each worker thread)."""
     plan = runner.plan
     steps, warmup = plan.sweep_steps, plan.sweep_warmup
     out: dict[str, Any] = {}
     reuse = step["configs"] if step is not None else {}
-    if "gsync" in reuse:
-        out["default"] = _representative(step, "gsync")
+    per_device = {"steps": steps, "warmup": warmup, "device_threads": "per_device"}
+    if "gsync_per_device" in reuse:
+        out["default"] = _representative(step, "gsync_per_device")
     else:
-        out["default"] = runner.task("threads: gsync, default", "gsync", steps=steps, warmup=warmup)
+        out["default"] = runner.task("threads: gsync, default", "gsync", **per_device)
     if "gsync_t1" in reuse:
         out["main_set_1"] = _representative(step, "gsync_t1")
     else:
-        out["main_set_1"] = runner.task("threads: gsync, set_num_threads(1) in main", "gsync", steps=steps,
-                                        warmup=warmup, threads=1, threads_mode="main")
-    out["in_thread_set_1"] = runner.task("threads: gsync, set_num_threads(1) inside loss_fn", "gsync", steps=steps,
-                                         warmup=warmup, threads=1, threads_mode="in_thread")
+        out["main_set_1"] = runner.task("threads: gsync, set_num_threads(1) in main", "gsync", threads=1,
+                                        threads_mode="main", **per_device)
+    out["in_thread_set_1"] = runner.task("threads: gsync, set_num_threads(1) inside loss_fn", "gsync", threads=1,
+                                         threads_mode="in_thread", **per_device)
     if runner.plan.repeats > 1:  # full mode: also check that setting 2 explicitly equals the default
-        out["main_set_2"] = runner.task("threads: gsync, set_num_threads(2) in main", "gsync", steps=steps,
-                                        warmup=warmup, threads=2, threads_mode="main")
+        out["main_set_2"] = runner.task("threads: gsync, set_num_threads(2) in main", "gsync", threads=2,
+                                        threads_mode="main", **per_device)
     return {key: value for key, value in out.items() if value is not None}
 
 

@@ -194,7 +194,12 @@ class WorkerThread:
         return box[0].unwrap()
 
     def stop(self) -> None:
-        """Let the thread exit after the jobs already submitted; later jobs fail at once with :class:`FitAborted`."""
+        """Let the thread exit after the jobs already submitted; later jobs fail at once with :class:`FitAborted`.
+
+        Idempotent: every user of a shared thread may stop it.
+        """
+        if self._stopped:
+            return
         self._stopped = True
         self._jobs.put(_STOP)
 

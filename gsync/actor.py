@@ -494,6 +494,8 @@ class DeviceActor:
         box: list[Outcome[Any]] = []
 
         def finish(outcome: Outcome[Any]) -> None:
+            if self.queued:  # the job never ran: the thread had stopped
+                self.queued = self.waiting = False
             box.append(outcome)
             done.set()
 

@@ -120,20 +120,20 @@ def assemble(
         streams=streams,
         grads_in_place=grads_in_place,
         alone=alone,
-        shared_thread=engine.shared_thread,
+        shared_thread=engine.device_threads == "shared",
         # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
         # thread the devices take turns anyway.
         first_step=(
             FirstStepInTurn(len(replicas))
             if len(replicas) > 1
-            and not engine.shared_thread
+            and engine.device_threads == "per_device"
             and all(spec.torch_device.type == "cpu" for spec in engine.devices)
             else None
         ),
         arrivals=LastArrivals(len(replicas), len(plan.names)),
     )
-    # Started by its first job, like every worker thread; stopped and joined once by the teardown.
-    shared = WorkerThread("gsync-devices", loop) if engine.shared_thread else None
+    # Started by its first job, like every worker thread; the teardown joins it once.
+    shared = WorkerThread("gsync-devices", loop) if engine.device_threads == "shared" else None
     actors = []
     for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
         # Bucket buffers are allocated on the compute stream that uses them.

@@ -101,7 +101,11 @@ class Engine:
         README). ``"auto"`` (default): ``"shared"`` when this process has
         several devices and all are CPUs, else ``"per_device"``. Sharing
         applies to CPU devices only. A device's wait for its turn counts
-        against no timeout: each device gets ``sync_timeout`` for its own work.
+        against no timeout: each device gets ``sync_timeout`` for its own
+        work. On a shared thread, code of yours that waits for another
+        device inside a device's job (a ``loss_fn``, a hook, a custom
+        autograd Function that waits on a peer) waits for a device that
+        cannot run until it returns: use ``"per_device"`` for that.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -148,8 +152,12 @@ class Engine:
                 f"{', '.join(s.name for s in self.devices if s.torch_device.type != 'cpu')} each need their own "
                 "thread to launch kernels while the others do: use 'per_device' or 'auto'"
             )
-        self.shared_thread = device_threads == "shared" or (device_threads == "auto" and on_cpu and len(self.devices) > 1)
-        """Whether this process's devices take turns on one compute thread (see ``device_threads``)."""
+        shared = device_threads == "shared" or (device_threads == "auto" and on_cpu and len(self.devices) > 1)
+        self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
+        """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
+        self.devices_in_turn = len(self.devices) if on_cpu else 1
+        """How many of this process's devices may run one after another within a step, each given
+        ``sync_timeout``: CPU devices always may (on a shared thread, or in the first step's turns)."""
         if check_replicas_every is not None and len(self.devices) < 2:
             raise ConfigError(
                 "check_replicas_every compares the replicas of this process, and it has only one device; "
@@ -164,7 +172,7 @@ class Engine:
         self._running = False
 
     def __repr__(self) -> str:
-        return f"Engine(devices={[d.name for d in self.devices]})"
+        return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"
 
     def session(
         self,

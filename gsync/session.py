@@ -536,7 +536,8 @@ class Session:
                     engine.devices[0].type,
                     engine.devices[0].torch_device,
                     len(engine.devices),
-                    engine.sync_timeout,
+                    # The transport must not give up before gsync's own deadline for a step.
+                    engine.sync_timeout * engine.devices_in_turn,
                     self._process_local,
                     self._abort,
                 )

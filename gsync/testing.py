@@ -95,6 +95,10 @@ def fail(device: int | None, step: int, site: Site, error: BaseException | None 
 def stall(device: int | None, step: int, site: Site, *, interruptible: bool = True) -> Fault:
     """A fault that blocks ``device`` at ``site`` of ``step``.
 
+    On CPU devices that share one thread (``Engine(device_threads=...)``)
+    the devices queued behind the stalled one wait too, as they would
+    behind a real stall; reports still name only the stalled device.
+
     An interruptible stall ends when the fit ends (like an operation that
     honours cancellation) or when ``fault.release`` is set. A
     non-interruptible one ignores the fit and blocks until ``fault.release``

@@ -123,7 +123,8 @@ class BackwardGate:
     """Holds backward where a model calls :meth:`hold`, at ``step``, until that step's first ``reductions``
     bucket reductions are done: a test that sees them done knows they ran while backward was still running.
 
-    Pass :attr:`trace` to the engine. Steps are counted per thread (each device's backward runs in that
+    Pass :attr:`trace` to an engine with ``device_threads="per_device"`` (on a shared thread the held backward
+    would wait for a device that cannot run). Steps are counted per thread (each device's backward runs in that
     device's own thread, step after step), so hold at a step after the first, whose devices run in turn. Until
     :attr:`armed` is set, :meth:`hold` lets backward through (a reference run of the same model).
     """

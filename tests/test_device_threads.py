@@ -23,10 +23,10 @@ DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 
 
 def test_cpu_devices_share_one_thread_unless_asked_otherwise() -> None:
-    assert gsync.Engine(["cpu:0", "cpu:1"]).shared_thread
-    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="shared").shared_thread
-    assert not gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").shared_thread
-    assert not gsync.Engine(["cpu"]).shared_thread  # nothing to share
+    assert gsync.Engine(["cpu:0", "cpu:1"]).device_threads == "shared"
+    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="shared").device_threads == "shared"
+    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").device_threads == "per_device"
+    assert gsync.Engine(["cpu"]).device_threads == "per_device"  # nothing to share
 
 
 def test_a_device_threads_setting_that_does_not_exist_is_refused() -> None:
@@ -39,7 +39,7 @@ def test_cuda_devices_never_share_a_thread(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(gsync.ConfigError, match="cuda:0, cuda:1 each need their own thread"):
         gsync.Engine(["cuda:0", "cuda:1"], device_threads="shared")
-    assert not gsync.Engine(["cuda:0", "cuda:1"]).shared_thread
+    assert gsync.Engine(["cuda:0", "cuda:1"]).device_threads == "per_device"
 
 
 @pytest.mark.asyncio

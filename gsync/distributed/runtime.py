@@ -52,7 +52,7 @@ class ProcessGroupRuntime:
         device_type: str,
         first_device: torch.device,
         local_devices: int,
-        sync_timeout: float,
+        step_timeout: float,
         process_local_data: bool,
         abort: threading.Event,
     ) -> ProcessGroupRuntime:
@@ -61,13 +61,16 @@ class ProcessGroupRuntime:
         Every collective of the run leaves once ``abort`` is set (the run is
         ending), so no thread of this rank stays inside one.
 
+        ``step_timeout``: the longest gsync itself waits for a step
+        (``sync_timeout``, times the local devices that may take turns).
+
         :raises ~gsync.ConfigError: for a missing environment, a group or store
             gsync cannot use, or process-local data with unequal device counts.
         """
         membership = join(
             process_group,
             device_type,
-            sync_timeout + _GROUP_TIMEOUT_MARGIN_S,
+            step_timeout + _GROUP_TIMEOUT_MARGIN_S,
             store=store,
             device=first_device if device_type == "cuda" else None,
             abort=abort,
