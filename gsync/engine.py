@@ -95,9 +95,9 @@ class Engine:
         kernels concurrently). ``"shared"``: this process's CPU devices take
         turns on one thread. Each CPU kernel already uses every core (torch's
         intra-op threads), so threads per CPU device add no parallelism, only
-        contention for the GIL: with 8 CPU devices, one shared thread took
-        two thirds of the time of eight on a model of small tensors, and half
-        the CPU time on 2 devices of a large MLP at the same speed (see the
+        contention for the GIL: with 8 CPU devices on a model of small
+        tensors, one shared thread took 0.72x the time of eight, and 2
+        devices of a 10M-parameter MLP were no slower on one (see the
         README). ``"auto"`` (default): ``"shared"`` when this process has
         several devices and all are CPUs, else ``"per_device"``. Sharing
         applies to CPU devices only. A device's wait for its turn counts
