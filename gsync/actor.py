@@ -100,7 +100,8 @@ class DeviceActor:
         self.site = "data"
         self.step = -1
         self.waiting = False
-        """Waiting for the step's gradient sync (read by the heartbeat, from its thread)."""
+        """Waiting for the step's gradient sync, or for its turn on a shared thread (read by the heartbeat, from its
+        thread)."""
         # Written only by the worker thread; read by the session once the thread
         # is idle, to pick the replica a checkpoint is taken from.
         self.applied_step = -1

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+
 import anyio
 import pytest
 import torch
