@@ -101,10 +101,10 @@ async def gsync_steps(
     traced fit of ``steps`` steps is measured. Step time = period between consecutive
     optimizer ends in the trace (the first period of the fit dropped).
 
-    ``device_threads``: ``gsync.Engine``'s setting. ``threads``: torch intra-op threads; ``threads_mode`` "main" calls
-    ``torch.set_num_threads`` in the main thread before the fit (worker threads pick the
-    value up when they first run an op), "in_thread" calls it inside ``loss_fn`` once per
-    worker thread.
+    ``device_threads``: ``gsync.Engine``'s setting. ``threads``: torch intra-op threads;
+    ``threads_mode`` "main" calls ``torch.set_num_threads`` in the main thread before the fit
+    (worker threads pick the value up when they first run an op), "in_thread" calls it inside
+    ``loss_fn`` once per worker thread.
     """
     probe = _ThreadProbe(threads if threads_mode == "in_thread" else None)
     comm_threads: dict[str, int] = {}
