@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -19,11 +20,15 @@ import anyio
 
 T = TypeVar("T")
 
-__all__ = ("FitAborted", "LoopHandle", "Outcome", "WorkerThread")
+__all__ = ("FitAborted", "JobTimedOut", "LoopHandle", "Outcome", "WorkerThread")
 
 
 class FitAborted(Exception):
     """Raised inside a gsync thread to stop a job early once the run is ending (its abort flag is set)."""
+
+
+class JobTimedOut(Exception):
+    """A job ran past its deadline (raised on the event loop; the job itself runs on)."""
 
 
 class LoopHandle:
@@ -176,22 +181,42 @@ class WorkerThread:
         if self._thread.ident is None:
             self._thread.start()
 
-    async def run(self, fn: Callable[[], T]) -> T:
+    async def run(self, fn: Callable[[], T], timeout: float | None = None) -> T:
         """Run ``fn()`` in the thread and return its result (or raise its exception).
 
-        If the awaiting task is cancelled, the job keeps running to its end in
-        the thread and its result is discarded.
+        With ``timeout``: raise :class:`JobTimedOut` once the job has run
+        that long. Time spent queued behind earlier jobs does not count (on a
+        thread that several users share, each earlier job has its own deadline).
+
+        If the awaiting task is cancelled or times out, the job keeps running
+        to its end in the thread and its result is discarded.
         """
         done = anyio.Event()
         box: list[Outcome[T]] = []
+        started: list[float] = []
 
         def finish(outcome: Outcome[T]) -> None:
             box.append(outcome)
             done.set()
 
-        self.submit(fn, finish)
-        await done.wait()
-        return box[0].unwrap()
+        def timed() -> T:
+            started.append(time.monotonic())
+            return fn()
+
+        if timeout is None:
+            self.submit(fn, finish)
+            await done.wait()
+            return box[0].unwrap()
+        self.submit(timed, finish)
+        wait = timeout
+        while True:
+            with anyio.move_on_after(wait):
+                await done.wait()
+            if done.is_set():
+                return box[0].unwrap()
+            wait = timeout if not started else started[0] + timeout - time.monotonic()
+            if wait <= 0:
+                raise JobTimedOut
 
     def stop(self) -> None:
         """Let the thread exit after the jobs already submitted; later jobs fail at once with :class:`FitAborted`.

@@ -25,16 +25,14 @@ result is discarded.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-import anyio
 import torch
 from torch import nn
 
-from ._threads import FitAborted, Outcome, WorkerThread
+from ._threads import FitAborted, JobTimedOut, WorkerThread
 from .batches import move_batch
 from .buckets import Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
 from .context import ActorContext, FirstStepInTurn, Shard
@@ -92,7 +90,6 @@ class DeviceActor:
         self.queued = False
         """A job of this device waits for the shared thread, behind another device's (read by the sync server
         and the heartbeat: a device held up by another is not the one to blame)."""
-        self._job_started: float | None = None
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
         self.plan = context.plan
         self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device, lazy=context.grads_in_place)
@@ -481,42 +478,23 @@ class DeviceActor:
     def _job(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.queued:
             self.queued = self.waiting = False
-        self._job_started = time.monotonic()
         return self._on_compute_stream(fn, *args)
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` in the worker thread and return its result.
 
-        With ``timeout``: raise :class:`_JobTimedOut` once the job has run
-        that long. Time spent queued behind other devices' jobs on a shared
-        thread does not count: the device running meanwhile has its own deadline.
+        With ``timeout``: raise :class:`~gsync._threads.JobTimedOut` once the
+        job has run that long; its wait behind other devices' jobs on a shared
+        thread does not count (see :meth:`WorkerThread.run`).
         """
-        done = anyio.Event()
-        box: list[Outcome[Any]] = []
-
-        def finish(outcome: Outcome[Any]) -> None:
-            if self.queued:  # the job never ran: the thread had stopped
-                self.queued = self.waiting = False
-            box.append(outcome)
-            done.set()
-
-        self._job_started = None
         if self._shares_thread:
             self.queued = self.waiting = True
-        self.worker.submit(lambda: self._job(fn, *args), finish)
-        if timeout is None:
-            await done.wait()
-            return box[0].unwrap()
-        wait = timeout
-        while True:
-            with anyio.move_on_after(wait):
-                await done.wait()
-            if done.is_set():
-                return box[0].unwrap()
-            started = self._job_started
-            wait = timeout if started is None else started + timeout - time.monotonic()
-            if wait <= 0:
-                raise _JobTimedOut
+        try:
+            return await self.worker.run(lambda: self._job(fn, *args), timeout)
+        except FitAborted:
+            if self.queued:  # the job never started: the thread had stopped
+                self.queued = self.waiting = False
+            raise
 
     async def evaluate(self, data: Any, rows: int, metric_fn: MetricFn) -> dict[str, float]:
         """Evaluate this device's shard of one batch in its worker thread; values are row-weighted sums.
@@ -594,7 +572,7 @@ class DeviceActor:
                         applied, fingerprint = await self._in_thread(
                             self._apply, message, timeout=self._context.sync_timeout
                         )
-                    except _JobTimedOut:
+                    except JobTimedOut:
                         self._context.abort.set()
                         raise SyncTimeout(
                             step, self._context.sync_timeout, stalled_devices=[self.spec.name], site="optimizer step"
@@ -612,10 +590,6 @@ class DeviceActor:
         for hook in self._hooks:
             hook.remove()
         self.worker.stop()
-
-
-class _JobTimedOut(Exception):
-    """A device's job ran past its deadline (raised on the event loop; the job itself runs on)."""
 
 
 def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gsync._threads import LoopHandle, Outcome, WorkerThread
+from gsync._threads import JobTimedOut, LoopHandle, Outcome, WorkerThread
 
 
 def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:
@@ -114,3 +114,41 @@ async def test_a_success_not_to_report_is_not_reported_but_a_failure_always_is()
         assert await worker.join(5)
     assert [name for name, _ in reports] == ["failed", "last"]
     assert isinstance(reports[0][1].error, OSError) and reports[1][1].error is None
+
+
+@pytest.mark.asyncio
+async def test_a_job_s_deadline_counts_from_its_start_not_from_its_wait_in_the_queue() -> None:
+    worker = WorkerThread("gsync-test-deadline", LoopHandle())
+    release = threading.Event()
+    try:
+        worker.submit(lambda: release.wait(10), lambda outcome: None)  # holds the thread
+        queued = asyncio.ensure_future(worker.run(lambda: "done", timeout=0.2))
+        # Three of its deadlines pass while it waits behind the first job: a bound on what must not happen.
+        await asyncio.sleep(0.6)
+        assert not queued.done()
+        release.set()
+        assert await queued == "done"
+    finally:
+        release.set()
+        worker.stop()
+        assert await worker.join(5)
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_runs_past_its_deadline_times_out_while_it_runs_on() -> None:
+    worker = WorkerThread("gsync-test-overrun", LoopHandle())
+    release, finished = threading.Event(), threading.Event()
+
+    def overrun() -> None:
+        release.wait(10)
+        finished.set()
+
+    try:
+        with pytest.raises(JobTimedOut):
+            await worker.run(overrun, timeout=0.1)
+        assert not finished.is_set()  # the job itself is not interrupted
+    finally:
+        release.set()
+        worker.stop()
+        assert await worker.join(5)
+    assert finished.is_set()
