@@ -13,7 +13,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -62,9 +62,14 @@ class LoopHandle:
 
     def call_soon(self, callback: Callable[..., object], *args: object) -> bool:
         """Schedule ``callback(*args)`` on the loop; ``False`` when the loop is already closed."""
+        return self.call_soon_each(((callback, args),))
+
+    def call_soon_each(self, calls: Sequence[tuple[Callable[..., object], tuple[object, ...]]]) -> bool:
+        """Schedule each ``callback(*args)`` of ``calls`` on the loop, in order, on one wake-up at most."""
         with self._lock:
-            self._pending.append((callback, args))
-            if len(self._pending) > 1:
+            was_empty = not self._pending
+            self._pending.extend(calls)
+            if not was_empty:
                 if not self._loop_closed():
                     return True
                 self._pending.clear()
@@ -122,6 +127,13 @@ class WorkerThread:
     Jobs cannot be interrupted from outside: cancelling the awaiting task leaves
     the current job running. Callers that need jobs to stop early give them a
     flag to poll (gsync's gradient hooks poll the engine's abort flag).
+
+    Jobs queued back to back (several devices' forward passes on the thread
+    they share) report to the loop together, when the thread runs out of
+    jobs: one wake-up per burst, not one per job. Each wake-up makes the loop
+    take the GIL from the thread in the middle of the next job; what the loop
+    does for a report (resume an actor that then waits for the sync) cannot
+    speed up a job still queued. A failure is reported at once.
     """
 
     def __init__(self, name: str, loop: LoopHandle) -> None:
@@ -135,13 +147,27 @@ class WorkerThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def _serve(self) -> None:
+        # Reports of jobs that ran back to back, held until the thread runs out of jobs (see the class docstring).
+        held: list[tuple[Callable[..., object], tuple[object, ...]]] = []
         try:
             while True:
+                if held and self._jobs.empty():
+                    self._loop.call_soon_each(held)
+                    held = []
                 job = self._jobs.get()
                 if job is _STOP:
                     return
-                job()
+                report = job()
+                if report is not None:
+                    on_done, outcome = report
+                    held.append((on_done, (outcome,)))
+                    if outcome.error is not None:
+                        # A failure goes out at once: the session ends sooner.
+                        self._loop.call_soon_each(held)
+                        held = []
         finally:
+            if held:
+                self._loop.call_soon_each(held)
             self._exited.set()
             self._loop.call_soon(self._exit_seen.set)
 
@@ -163,15 +189,15 @@ class WorkerThread:
         is left to receive it.
         """
 
-        def job() -> None:
+        def job() -> tuple[Callable[[Outcome[T]], object], Outcome[T]] | None:
             try:
                 outcome: Outcome[T] = Outcome(value=fn())
             except BaseException as error:  # noqa: BLE001 - handed to the loop, never swallowed
                 outcome = Outcome(error=error)
             else:
                 if not report_success:
-                    return
-            self._loop.call_soon(on_done, outcome)
+                    return None
+            return on_done, outcome
 
         if self._stopped:
             # Nothing would ever run it: the thread exits at the stop already queued.
@@ -186,7 +212,9 @@ class WorkerThread:
 
         With ``timeout``: raise :class:`JobTimedOut` once the job has run
         that long. Time spent queued behind earlier jobs does not count (on a
-        thread that several users share, each earlier job has its own deadline).
+        thread that several users share, each earlier job has its own
+        deadline), nor does the wait of a job that has ended for the jobs
+        behind it to end too (its report is held with theirs).
 
         If the awaiting task is cancelled or times out, the job keeps running
         to its end in the thread and its result is discarded.
@@ -194,6 +222,7 @@ class WorkerThread:
         done = anyio.Event()
         box: list[Outcome[T]] = []
         started: list[float] = []
+        ended: list[bool] = []
 
         def finish(outcome: Outcome[T]) -> None:
             box.append(outcome)
@@ -201,7 +230,10 @@ class WorkerThread:
 
         def timed() -> T:
             started.append(time.monotonic())
-            return fn()
+            try:
+                return fn()
+            finally:
+                ended.append(True)
 
         if timeout is None:
             self.submit(fn, finish)
@@ -213,6 +245,9 @@ class WorkerThread:
             with anyio.move_on_after(wait):
                 await done.wait()
             if done.is_set():
+                return box[0].unwrap()
+            if ended:  # its report is held with those of the jobs behind it, each with its own deadline
+                await done.wait()
                 return box[0].unwrap()
             wait = timeout if not started else started[0] + timeout - time.monotonic()
             if wait <= 0:
@@ -243,3 +278,4 @@ class WorkerThread:
             self._thread.join()
             return True
         return False
+

@@ -336,7 +336,11 @@ class DeviceActor:
         self._post_forward_done(sum(value * share for value, share in losses), skip=nonfinite is not None)
 
     def _post_forward_done(self, loss_share: float, skip: bool) -> None:
-        self._context.server.post_threadsafe(ForwardDone(self.index, self.step, loss_share, skip))
+        context = self._context
+        # As with buckets, only the last device's losses let the server finish the step: the rest ride along.
+        context.server.post_threadsafe(ForwardDone(self.index, self.step, loss_share, skip), wake=False)
+        if context.arrivals.completes_losses():
+            context.server.wake()
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"

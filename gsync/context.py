@@ -105,24 +105,31 @@ class ReplicaFingerprints:
 
 
 class LastArrivals:
-    """Tells which device's ``BucketReady`` completes a bucket on every device of the process.
+    """Tells which device's ``BucketReady`` completes a bucket on every device of the process, and which
+    device's ``ForwardDone`` completes the step's losses.
 
     Only that post needs to wake the sync server, which can launch a bucket
-    only once every device has posted it; the others ride along with it.
-    Every device posts every bucket exactly once per step, and none posts
-    for the next step before the server has every post of this one, so a
-    count per bucket, modulo the device count, names the last poster. No
-    lock: ``next`` on an ``itertools.count`` is atomic under the GIL.
+    (or finish the step) only once every device has posted it; the others
+    ride along with it. Every device posts every bucket and its losses
+    exactly once per step, and none posts for the next step before the
+    server has every post of this one, so a count per bucket, modulo the
+    device count, names the last poster. No lock: ``next`` on an
+    ``itertools.count`` is atomic under the GIL.
     """
 
     def __init__(self, devices: int, max_buckets: int) -> None:
         self._devices = devices
         # A bucket holds at least one parameter, so no plan has more buckets than parameters.
         self._counts = [itertools.count(1) for _ in range(max_buckets if devices > 1 else 0)]
+        self._losses = itertools.count(1)
 
     def completes(self, bucket: int) -> bool:
         """Count one device's post of ``bucket``; whether it was the last device's. Call after posting."""
         return self._devices == 1 or next(self._counts[bucket]) % self._devices == 0
+
+    def completes_losses(self) -> bool:
+        """Count one device's ``ForwardDone``; whether it was the last device's. Call after posting."""
+        return self._devices == 1 or next(self._losses) % self._devices == 0
 
 
 class FirstStepInTurn:

@@ -200,10 +200,13 @@ class SyncServer:
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
-            # Posts that did not wake the server (a bucket not yet complete everywhere) still count as arrived.
+            # Posts that did not wake the server (a bucket, or the losses, not yet in from every device) still
+            # count as arrived.
             while (late := self.mailbox.receive_nowait()) is not None:
                 if isinstance(late, BucketReady) and late.step == step:
                     arrived[late.bucket][late.device] = 1
+                elif isinstance(late, ForwardDone) and late.step == step:
+                    losses_in += 1
             # A device still waiting for its first-step turn, or for the thread it shares with the
             # other devices, is held up by another device, which is named.
             blamed = [

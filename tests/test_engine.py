@@ -11,7 +11,7 @@ from torch import nn
 
 import gsync
 from gsync.mailbox import Mailbox
-from gsync.messages import BucketReady
+from gsync.messages import BucketReady, ForwardDone
 from conftest import (
     BackwardGate,
     Deep,
@@ -37,16 +37,17 @@ async def test_one_bucket_ready_message_per_device_and_bucket(num_devices: int) 
     assert result.stats.bucket_ready_messages == 4 * num_devices * result.stats.buckets
 
 
-async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_bucket(
+async def test_the_sync_server_wakes_once_per_bucket_and_once_for_the_losses_not_once_per_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Only the post that completes a bucket on every device may wake the server; the rest ride along.
+    # Only the post that completes a bucket, or the step's losses, on every device may wake the server; the rest
+    # ride along.
     may_wake = 0
     original_post, original_wake = Mailbox.post_threadsafe, Mailbox.wake
 
     def counted_post(self: Mailbox[object], message: object, wake: bool = True) -> None:
         nonlocal may_wake
-        if self.owner == "sync server" and isinstance(message, BucketReady) and wake:
+        if self.owner == "sync server" and isinstance(message, (BucketReady, ForwardDone)) and wake:
             may_wake += 1
         original_post(self, message, wake)
 
@@ -63,7 +64,7 @@ async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device_and_buc
     result = await engine.fit(Deep(), make_batches(steps, 16), optimizer=sgd, loss_fn=classification_loss)
     assert result.stats.buckets >= 3
     assert result.stats.bucket_ready_messages == steps * num_devices * result.stats.buckets
-    assert may_wake == steps * result.stats.buckets
+    assert may_wake == steps * (result.stats.buckets + 1)
 
 
 def wide() -> nn.Module:

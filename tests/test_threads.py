@@ -152,3 +152,92 @@ async def test_a_job_that_runs_past_its_deadline_times_out_while_it_runs_on() ->
         worker.stop()
         assert await worker.join(5)
     assert finished.is_set()
+
+
+@pytest.mark.asyncio
+async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
+    handle = LoopHandle()
+    wakeups = [0]
+    wake = handle._wake
+
+    def counted(callback: Any) -> None:
+        wakeups[0] += 1
+        wake(callback)
+
+    handle._wake = counted
+    worker = WorkerThread("gsync-test-burst", handle)
+    started = [threading.Event() for _ in range(5)]
+    release = [threading.Event() for _ in range(5)]
+    reports: list[int] = []
+
+    def job(index: int) -> int:
+        started[index].set()
+        release[index].wait(10)
+        return index
+
+    try:
+        for index in range(5):
+            worker.submit(lambda index=index: job(index), lambda outcome: reports.append(outcome.unwrap()))
+        for index in range(5):
+            # The loop runs while each job runs: only held reports keep it from waking for the one before.
+            assert await asyncio.to_thread(started[index].wait, 10)
+            release[index].set()
+        await _until(lambda: len(reports) == 5)
+        assert reports == [0, 1, 2, 3, 4]
+        assert wakeups[0] == 1
+    finally:
+        for event in release:
+            event.set()
+        worker.stop()
+        assert await worker.join(5)
+
+
+@pytest.mark.asyncio
+async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() -> None:
+    worker = WorkerThread("gsync-test-failure-first", LoopHandle())
+    release = threading.Event()
+    reports: list[str] = []
+
+    def fail() -> None:
+        raise OSError("link down")
+
+    try:
+        worker.submit(lambda: release.wait(10), lambda outcome: None)
+        worker.submit(lambda: None, lambda outcome: reports.append("done"))
+        worker.submit(fail, lambda outcome: reports.append(type(outcome.error).__name__))
+        behind = threading.Event()
+        worker.submit(lambda: behind.wait(10), lambda outcome: reports.append("behind"))
+        release.set()
+        # The job behind the failure is still running: the failure (and the report held before it) went out.
+        await _until(lambda: len(reports) == 2)
+        assert reports == ["done", "OSError"]
+        behind.set()
+        await _until(lambda: len(reports) == 3)
+    finally:
+        release.set()
+        worker.stop()
+        assert await worker.join(5)
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_ended_does_not_time_out_while_its_report_waits_for_the_job_behind_it() -> None:
+    worker = WorkerThread("gsync-test-held", LoopHandle())
+    hold, release = threading.Event(), threading.Event()
+    try:
+        worker.submit(lambda: hold.wait(10), lambda outcome: None)
+        quick = asyncio.ensure_future(worker.run(lambda: "done", timeout=0.1))
+        slow = asyncio.ensure_future(worker.run(lambda: release.wait(10)))
+        # Both queued behind the first job before it ends.
+        await _until(lambda: worker._jobs.qsize() == 2)
+        hold.set()
+        # Several of the quick job's deadlines pass while its report waits with the slow job's.
+        await asyncio.sleep(0.4)
+        assert not quick.done()
+        release.set()
+        assert await quick == "done"
+        assert await slow is True
+    finally:
+        hold.set()
+        release.set()
+        worker.stop()
+        assert await worker.join(5)
