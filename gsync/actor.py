@@ -204,8 +204,9 @@ class DeviceActor:
         for hook in self._hooks:
             hook.remove()
         final = self._context.plan_final
-        last = frozenset(self.plan.buckets[-1].params) if final and self.plan.buckets else frozenset()
-        self._unhooked = tuple(position for position in range(len(self.params)) if position in last)
+        # In bucket order, as the bucket's slots are.
+        self._unhooked = tuple(self.plan.buckets[-1].params) if final and self.plan.buckets else ()
+        last = frozenset(self._unhooked)
         self._hooks = [
             param.register_post_accumulate_grad_hook(self._hook_for(position))
             for position, param in enumerate(self.params)
@@ -215,6 +216,8 @@ class DeviceActor:
 
     def _take_unhooked(self) -> None:
         """After a backward: take the gradients of the parameters without a hook, as their hooks would have."""
+        if self._take_whole_bucket():
+            return
         params, got_grad = self.params, self._got_grad
         # release() left every .grad None before this backward: a gradient now is this backward's.
         arrived = [position for position in self._unhooked if params[position].grad is not None]
@@ -239,6 +242,29 @@ class DeviceActor:
             got_grad[position] = 1
             if bucket is not None and self._posting:
                 self._post_ready(bucket)
+
+    def _take_whole_bucket(self) -> bool:
+        """The common case of :meth:`_take_unhooked`, in a few calls for the whole bucket rather than several
+        per parameter: a step of one batch gave every parameter of the unhooked bucket a fresh dense gradient,
+        which goes into the bucket. Returns whether it was that case (if not, nothing was done)."""
+        bucket = len(self.plan.buckets) - 1
+        if self._grad_scale != 1.0 or (self._direct and self._in_place[bucket]) or self._got_grad[self._unhooked[0]]:
+            return False
+        params = [self.params[position] for position in self._unhooked]
+        grads = [param.grad for param in params]
+        if any(grad is None or grad.is_sparse for grad in grads):
+            return False
+        views = self.grads.bucket_views(bucket)
+        # One call for the bucket, not one per tensor (each releases and retakes the GIL).
+        torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        for param, view in zip(params, views):
+            param.grad = view
+        got_grad = self._got_grad
+        for position in self._unhooked:
+            got_grad[position] = 1
+        if self.readiness.mark_all(self._unhooked) is not None and self._posting:
+            self._post_ready(bucket)
+        return True
 
     def _enter(self, site: str) -> AbstractContextManager[None]:
         """Start a site (phase): stop here if the session is ending; the returned context runs the site hooks

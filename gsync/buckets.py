@@ -210,6 +210,11 @@ class ReplicaGrads:
             view = self._views[position]
         return view  # type: ignore[return-value]
 
+    def bucket_views(self, bucket: int) -> list[torch.Tensor]:
+        """The slots of bucket ``bucket``'s parameters, in bucket order."""
+        self.flat(bucket)
+        return [self._views[position] for position in self._plan.buckets[bucket].params]  # type: ignore[misc]
+
     @property
     def flats(self) -> list[torch.Tensor]:
         return [self.flat(bucket) for bucket in range(len(self._flats))]
@@ -287,6 +292,18 @@ class Readiness:
         self.order.append(param)
         bucket = self._bucket_of[param]
         self.remaining[bucket] -= 1
+        return bucket if self.remaining[bucket] == 0 else None
+
+    def mark_all(self, params: Sequence[int]) -> int | None:
+        """:meth:`mark` for each of ``params`` (all of one bucket), in one pass."""
+        fired = self.fired
+        for param in params:
+            if fired[param]:
+                self.mark(param)  # raises
+            fired[param] = 1
+        self.order.extend(params)
+        bucket = self._bucket_of[params[0]]
+        self.remaining[bucket] -= len(params)
         return bucket if self.remaining[bucket] == 0 else None
 
     def unfinished(self) -> list[tuple[int, tuple[int, ...]]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -24,13 +25,14 @@ def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:
     return count
 
 
-async def _until(predicate: Any) -> None:
-    # Each turn of the loop runs the callbacks already scheduled; no sleeping on the clock.
-    for _ in range(1000):
-        if predicate():
-            return
+async def _until(predicate: Any, within_s: float = 10.0) -> None:
+    # Each turn of the loop runs the callbacks already scheduled; no sleeping on the clock. Bounded by time, not by
+    # turns: on a loaded machine a thread may wait many turns for a core.
+    deadline = time.monotonic() + within_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("the callbacks never ran")
         await asyncio.sleep(0)
-    raise AssertionError("the callbacks never ran")
 
 
 @pytest.mark.asyncio
@@ -195,7 +197,7 @@ async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
 @pytest.mark.asyncio
 async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() -> None:
     worker = WorkerThread("gsync-test-failure-first", LoopHandle())
-    release = threading.Event()
+    release, behind = threading.Event(), threading.Event()
     reports: list[str] = []
 
     def fail() -> None:
@@ -205,7 +207,6 @@ async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() ->
         worker.submit(lambda: release.wait(10), lambda outcome: None)
         worker.submit(lambda: None, lambda outcome: reports.append("done"))
         worker.submit(fail, lambda outcome: reports.append(type(outcome.error).__name__))
-        behind = threading.Event()
         worker.submit(lambda: behind.wait(10), lambda outcome: reports.append("behind"))
         release.set()
         # The job behind the failure is still running: the failure (and the report held before it) went out.
@@ -215,6 +216,7 @@ async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() ->
         await _until(lambda: len(reports) == 3)
     finally:
         release.set()
+        behind.set()
         worker.stop()
         assert await worker.join(5)
 
