@@ -360,6 +360,9 @@ class DeviceActor:
         # A non-finite loss (on_nonfinite="skip") had its backward too; the
         # server tells every device to leave the step's update out.
         self._post_forward_done(sum(value * share for value, share in losses), skip=nonfinite is not None)
+        # Now, not once the actor hears the job ended: on a shared thread that report waits for the devices
+        # queued behind this one, and the heartbeat must not take this device for one still working.
+        self.waiting = True
 
     def _post_forward_done(self, loss_share: float, skip: bool) -> None:
         context = self._context

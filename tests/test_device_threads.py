@@ -112,3 +112,23 @@ async def test_the_heartbeat_reports_the_device_that_holds_the_thread() -> None:
                 group.cancel_scope.cancel()
     assert where == Whereabouts(1, "forward", "cpu:0")
     assert queued == {"cpu:0": False, "cpu:1": True, "cpu:2": True}
+
+
+@pytest.mark.asyncio
+async def test_a_device_whose_backward_ended_waits_while_its_report_is_held_behind_the_next_device() -> None:
+    """Its job's end reaches the loop only with the next devices' (one wake-up for the burst): meanwhile the
+    heartbeat must count it as waiting for the sync, not name it as the device furthest behind."""
+    engine = gsync.Engine(DEVICES, device_threads="shared")
+    fault = gsync.testing.stall(device=1, step=1, site="backward")
+    with gsync.testing.inject(engine, fault):
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            first, second = make_batches(2, 12)
+            await session.step(first)
+            async with anyio.create_task_group() as group:
+                group.start_soon(session.step, second)
+                assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
+                where = session._whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
+                waiting = {actor.name: actor.waiting for actor in session._actors}  # noqa: SLF001
+                group.cancel_scope.cancel()
+    assert where == Whereabouts(1, "backward", "cpu:1")
+    assert waiting == {"cpu:0": True, "cpu:1": False, "cpu:2": True}
