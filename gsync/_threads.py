@@ -128,17 +128,21 @@ class WorkerThread:
     the current job running. Callers that need jobs to stop early give them a
     flag to poll (gsync's gradient hooks poll the engine's abort flag).
 
-    Jobs queued back to back (several devices' forward passes on the thread
-    they share) report to the loop together, when the thread runs out of
-    jobs: one wake-up per burst, not one per job. Each wake-up makes the loop
-    take the GIL from the thread in the middle of the next job; what the loop
-    does for a report (resume an actor that then waits for the sync) cannot
-    speed up a job still queued. A failure is reported at once.
+    With ``hold_reports``, jobs queued back to back (several devices'
+    forward passes on the thread they share) report to the loop together,
+    when the thread runs out of jobs: one wake-up per burst, not one per job.
+    Each wake-up makes the loop take the GIL from the thread in the middle of
+    the next job; what the loop does for a report (resume an actor that then
+    waits for the sync) cannot speed up a job still queued. The price: a job
+    that ended is awaited until the jobs queued behind it end too, so it is
+    only for jobs whose results are waited for together anyway (a step waits
+    for every device). A failure is reported at once.
     """
 
-    def __init__(self, name: str, loop: LoopHandle) -> None:
+    def __init__(self, name: str, loop: LoopHandle, hold_reports: bool = False) -> None:
         self.name = name
         self._loop = loop
+        self._hold_reports = hold_reports
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
         self._exit_seen = anyio.Event()
@@ -147,11 +151,11 @@ class WorkerThread:
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
     def _serve(self) -> None:
-        # Reports of jobs that ran back to back, held until the thread runs out of jobs (see the class docstring).
+        # With hold_reports: reports of jobs that ran back to back, held until the thread runs out of jobs.
         held: list[tuple[Callable[..., object], tuple[object, ...]]] = []
         try:
             while True:
-                if held and self._jobs.empty():
+                if held and (not self._hold_reports or self._jobs.empty()):
                     self._loop.call_soon_each(held)
                     held = []
                 job = self._jobs.get()
@@ -278,4 +282,3 @@ class WorkerThread:
             self._thread.join()
             return True
         return False
-

@@ -110,6 +110,7 @@ class DeviceActor:
         self._posting = True
         self._grad_scale = 1.0
         self._direct = False
+        self._one_batch = True
         self._got_grad = bytearray(len(self.params))
         self._losses = LossReadout(spec.torch_device)
         self._hooks: list[Any] = []
@@ -248,7 +249,7 @@ class DeviceActor:
         per parameter: a step of one batch gave every parameter of the unhooked bucket a fresh dense gradient,
         which goes into the bucket. Returns whether it was that case (if not, nothing was done)."""
         bucket = len(self.plan.buckets) - 1
-        if self._grad_scale != 1.0 or (self._direct and self._in_place[bucket]) or self._got_grad[self._unhooked[0]]:
+        if not self._one_batch or (self._direct and self._in_place[bucket]):
             return False
         params = [self.params[position] for position in self._unhooked]
         grads = [param.grad for param in params]
@@ -319,6 +320,7 @@ class DeviceActor:
         readout.start(batches)
         # With one batch, the gradient autograd delivers is the step's: where the
         # reduction can take it as it is, it stays in .grad (no copy into the bucket).
+        self._one_batch = batches == 1
         self._direct = self._context.grads_in_place and batches == 1
         last_backward_ran = False
         self._got_grad[:] = bytes(len(self._got_grad))
@@ -360,9 +362,6 @@ class DeviceActor:
         # A non-finite loss (on_nonfinite="skip") had its backward too; the
         # server tells every device to leave the step's update out.
         self._post_forward_done(sum(value * share for value, share in losses), skip=nonfinite is not None)
-        # Now, not once the actor hears the job ended: on a shared thread that report waits for the devices
-        # queued behind this one, and the heartbeat must not take this device for one still working.
-        self.waiting = True
 
     def _post_forward_done(self, loss_share: float, skip: bool) -> None:
         context = self._context
@@ -511,7 +510,13 @@ class DeviceActor:
     def _job(self, fn: Callable[..., Any], *args: Any) -> Any:
         if self.queued:
             self.queued = self.waiting = False
-        return self._on_compute_stream(fn, *args)
+        try:
+            return self._on_compute_stream(fn, *args)
+        finally:
+            if self._shares_thread:
+                # Its end reaches the loop only with the jobs queued behind it (a shared thread holds reports):
+                # until then the heartbeat must count it as waiting, not as a device still working.
+                self.waiting = True
 
     async def _in_thread(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> Any:
         """Run ``fn(*args)`` in the worker thread and return its result.

@@ -133,7 +133,9 @@ def assemble(
         arrivals=LastArrivals(len(replicas), len(plan.names)),
     )
     # Started by its first job, like every worker thread; the teardown joins it once.
-    shared = WorkerThread("gsync-devices", loop) if engine.device_threads == "shared" else None
+    # Its jobs are the devices' shares of one step (or evaluation), which the step waits for anyway: a report held
+    # until the others' jobs end delays nothing (see WorkerThread).
+    shared = WorkerThread("gsync-devices", loop, hold_reports=True) if engine.device_threads == "shared" else None
     actors = []
     for index, (spec, replica) in enumerate(zip(engine.devices, replicas)):
         # Bucket buffers are allocated on the compute stream that uses them.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import BackwardGate, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from conftest import BackwardGate, Deep, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
 
@@ -289,3 +289,32 @@ async def test_first_step_runs_devices_in_turn_and_later_steps_at_once() -> None
     await engine.fit(TiedNet(), batches, optimizer=sgd, loss_fn=loss_fn)
     assert [device for step, device in entered if step == 0] == [0, 1]
     assert all(step == 1 for step, _ in overlaps) and overlaps
+
+
+async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook-less last bucket is taken in a few calls when every parameter of it got a fresh gradient; the
+    per-parameter path it stands in for must give bit for bit the same training."""
+    from gsync.actor import DeviceActor
+
+    whole = DeviceActor._take_whole_bucket
+    taken: list[bool] = []
+
+    def counted(actor: DeviceActor) -> bool:
+        taken.append(whole(actor))
+        return taken[-1]
+
+    batches = make_batches(steps=4, rows=24)
+    torch.manual_seed(0)
+    model = Deep()
+    per_parameter = Deep()
+    per_parameter.load_state_dict(model.state_dict())
+    # One bucket of 14 small tensors: copied into its buffer, not reduced where autograd put them.
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    monkeypatch.setattr(DeviceActor, "_take_whole_bucket", counted)
+    await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
+    assert any(taken)  # the path under test ran
+    monkeypatch.setattr(DeviceActor, "_take_whole_bucket", lambda actor: False)
+    await engine.fit(per_parameter, batches, optimizer=sgd, loss_fn=classification_loss)
+    assert_same_state(model, per_parameter, atol=0.0)

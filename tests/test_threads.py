@@ -167,7 +167,7 @@ async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
         wake(callback)
 
     handle._wake = counted
-    worker = WorkerThread("gsync-test-burst", handle)
+    worker = WorkerThread("gsync-test-burst", handle, hold_reports=True)
     started = [threading.Event() for _ in range(5)]
     release = [threading.Event() for _ in range(5)]
     reports: list[int] = []
@@ -196,7 +196,7 @@ async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
 
 @pytest.mark.asyncio
 async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() -> None:
-    worker = WorkerThread("gsync-test-failure-first", LoopHandle())
+    worker = WorkerThread("gsync-test-failure-first", LoopHandle(), hold_reports=True)
     release, behind = threading.Event(), threading.Event()
     reports: list[str] = []
 
@@ -223,16 +223,22 @@ async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() ->
 
 @pytest.mark.asyncio
 async def test_a_job_that_ended_does_not_time_out_while_its_report_waits_for_the_job_behind_it() -> None:
-    worker = WorkerThread("gsync-test-held", LoopHandle())
-    hold, release = threading.Event(), threading.Event()
+    worker = WorkerThread("gsync-test-held", LoopHandle(), hold_reports=True)
+    hold, release, slow_started = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_job() -> bool:
+        slow_started.set()
+        return release.wait(10)
+
     try:
         worker.submit(lambda: hold.wait(10), lambda outcome: None)
         quick = asyncio.ensure_future(worker.run(lambda: "done", timeout=0.1))
-        slow = asyncio.ensure_future(worker.run(lambda: release.wait(10)))
+        slow = asyncio.ensure_future(worker.run(slow_job))
         # Both queued behind the first job before it ends.
         await _until(lambda: worker._jobs.qsize() == 2)
         hold.set()
-        # Several of the quick job's deadlines pass while its report waits with the slow job's.
+        # The quick job has ended; several of its deadlines pass while its report waits with the slow job's.
+        assert await asyncio.to_thread(slow_started.wait, 10)
         await asyncio.sleep(0.4)
         assert not quick.done()
         release.set()
@@ -240,6 +246,21 @@ async def test_a_job_that_ended_does_not_time_out_while_its_report_waits_for_the
         assert await slow is True
     finally:
         hold.set()
+        release.set()
+        worker.stop()
+        assert await worker.join(5)
+
+
+@pytest.mark.asyncio
+async def test_without_hold_reports_each_job_reports_as_it_ends() -> None:
+    worker = WorkerThread("gsync-test-unheld", LoopHandle())
+    release = threading.Event()
+    reports: list[str] = []
+    try:
+        worker.submit(lambda: None, lambda outcome: reports.append("first"))
+        worker.submit(lambda: release.wait(10), lambda outcome: reports.append("second"))
+        await _until(lambda: reports == ["first"])
+    finally:
         release.set()
         worker.stop()
         assert await worker.join(5)
