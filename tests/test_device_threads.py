@@ -95,11 +95,11 @@ async def test_a_stall_names_the_device_that_holds_the_thread_not_those_queued_b
         assert error.last_seen == {"cpu:0": f"step 2, {site}"}
 
 
-@pytest.mark.asyncio
-async def test_the_heartbeat_reports_the_device_that_holds_the_thread() -> None:
-    """A rank's heartbeat names its furthest-behind device that is not waiting; one queued behind a stall waits."""
+async def _seen_during_a_stall(device: int, site: str) -> tuple[Whereabouts, dict[str, tuple[bool, bool]]]:
+    """The heartbeat's whereabouts and each device's (queued, waiting) while ``device`` stalls at ``site`` of step 1
+    on the thread the devices share."""
     engine = gsync.Engine(DEVICES, device_threads="shared")
-    fault = gsync.testing.stall(device=0, step=1, site="forward")
+    fault = gsync.testing.stall(device=device, step=1, site=site)
     with gsync.testing.inject(engine, fault):
         async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
             first, second = make_batches(2, 12)
@@ -108,27 +108,23 @@ async def test_the_heartbeat_reports_the_device_that_holds_the_thread() -> None:
                 group.start_soon(session.step, second)
                 assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
                 where = session._whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
-                queued = {actor.name: actor.queued for actor in session._actors}  # noqa: SLF001
+                flags = {actor.name: (actor.queued, actor.waiting) for actor in session._actors}  # noqa: SLF001
                 group.cancel_scope.cancel()
+    return where, flags
+
+
+@pytest.mark.asyncio
+async def test_the_heartbeat_reports_the_device_that_holds_the_thread() -> None:
+    """A rank's heartbeat names its furthest-behind device that is not waiting; one queued behind a stall waits."""
+    where, flags = await _seen_during_a_stall(device=0, site="forward")
     assert where == Whereabouts(1, "forward", "cpu:0")
-    assert queued == {"cpu:0": False, "cpu:1": True, "cpu:2": True}
+    assert {name: queued for name, (queued, _) in flags.items()} == {"cpu:0": False, "cpu:1": True, "cpu:2": True}
 
 
 @pytest.mark.asyncio
 async def test_a_device_whose_backward_ended_waits_while_its_report_is_held_behind_the_next_device() -> None:
     """Its job's end reaches the loop only with the next devices' (one wake-up for the burst): meanwhile the
     heartbeat must count it as waiting for the sync, not name it as the device furthest behind."""
-    engine = gsync.Engine(DEVICES, device_threads="shared")
-    fault = gsync.testing.stall(device=1, step=1, site="backward")
-    with gsync.testing.inject(engine, fault):
-        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
-            first, second = make_batches(2, 12)
-            await session.step(first)
-            async with anyio.create_task_group() as group:
-                group.start_soon(session.step, second)
-                assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
-                where = session._whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
-                waiting = {actor.name: actor.waiting for actor in session._actors}  # noqa: SLF001
-                group.cancel_scope.cancel()
+    where, flags = await _seen_during_a_stall(device=1, site="backward")
     assert where == Whereabouts(1, "backward", "cpu:1")
-    assert waiting == {"cpu:0": True, "cpu:1": False, "cpu:2": True}
+    assert {name: waiting for name, (_, waiting) in flags.items()} == {"cpu:0": True, "cpu:1": False, "cpu:2": True}
