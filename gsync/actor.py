@@ -321,7 +321,7 @@ class DeviceActor:
         # With one batch, the gradient autograd delivers is the step's: where the
         # reduction can take it as it is, it stays in .grad (no copy into the bucket).
         self._one_batch = batches == 1
-        self._direct = self._context.grads_in_place and batches == 1
+        self._direct = self._context.grads_in_place and self._one_batch
         last_backward_ran = False
         self._got_grad[:] = bytes(len(self._got_grad))
         for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -33,6 +35,18 @@ async def _until(predicate: Any, within_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("the callbacks never ran")
         await asyncio.sleep(0)
+
+
+@contextlib.asynccontextmanager
+async def _stopping(worker: WorkerThread, *releases: threading.Event) -> AsyncIterator[None]:
+    """Run the body, then release every job it may have left blocked, stop ``worker`` and check that it exits."""
+    try:
+        yield
+    finally:
+        for event in releases:
+            event.set()
+        worker.stop()
+        assert await worker.join(5)
 
 
 @pytest.mark.asyncio
@@ -109,11 +123,8 @@ async def test_a_success_not_to_report_is_not_reported_but_a_failure_always_is()
     worker.submit(lambda: None, lambda outcome: reports.append(("quiet", outcome)), report_success=False)
     worker.submit(fail, lambda outcome: reports.append(("failed", outcome)), report_success=False)
     worker.submit(lambda: None, lambda outcome: reports.append(("last", outcome)))
-    try:
+    async with _stopping(worker):
         await _until(lambda: len(reports) == 2)
-    finally:
-        worker.stop()
-        assert await worker.join(5)
     assert [name for name, _ in reports] == ["failed", "last"]
     assert isinstance(reports[0][1].error, OSError) and reports[1][1].error is None
 
@@ -122,7 +133,7 @@ async def test_a_success_not_to_report_is_not_reported_but_a_failure_always_is()
 async def test_a_job_s_deadline_counts_from_its_start_not_from_its_wait_in_the_queue() -> None:
     worker = WorkerThread("gsync-test-deadline", LoopHandle())
     release = threading.Event()
-    try:
+    async with _stopping(worker, release):
         worker.submit(lambda: release.wait(10), lambda outcome: None)  # holds the thread
         queued = asyncio.ensure_future(worker.run(lambda: "done", timeout=0.2))
         # Three of its deadlines pass while it waits behind the first job: a bound on what must not happen.
@@ -130,10 +141,6 @@ async def test_a_job_s_deadline_counts_from_its_start_not_from_its_wait_in_the_q
         assert not queued.done()
         release.set()
         assert await queued == "done"
-    finally:
-        release.set()
-        worker.stop()
-        assert await worker.join(5)
 
 
 @pytest.mark.asyncio
@@ -145,14 +152,10 @@ async def test_a_job_that_runs_past_its_deadline_times_out_while_it_runs_on() ->
         release.wait(10)
         finished.set()
 
-    try:
+    async with _stopping(worker, release):
         with pytest.raises(JobTimedOut):
             await worker.run(overrun, timeout=0.1)
         assert not finished.is_set()  # the job itself is not interrupted
-    finally:
-        release.set()
-        worker.stop()
-        assert await worker.join(5)
     assert finished.is_set()
 
 
@@ -177,7 +180,7 @@ async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
         release[index].wait(10)
         return index
 
-    try:
+    async with _stopping(worker, *release):
         for index in range(5):
             worker.submit(lambda index=index: job(index), lambda outcome: reports.append(outcome.unwrap()))
         for index in range(5):
@@ -187,11 +190,6 @@ async def test_jobs_run_back_to_back_report_on_one_wake_up_in_order() -> None:
         await _until(lambda: len(reports) == 5)
         assert reports == [0, 1, 2, 3, 4]
         assert wakeups[0] == 1
-    finally:
-        for event in release:
-            event.set()
-        worker.stop()
-        assert await worker.join(5)
 
 
 @pytest.mark.asyncio
@@ -203,7 +201,7 @@ async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() ->
     def fail() -> None:
         raise OSError("link down")
 
-    try:
+    async with _stopping(worker, release, behind):
         worker.submit(lambda: release.wait(10), lambda outcome: None)
         worker.submit(lambda: None, lambda outcome: reports.append("done"))
         worker.submit(fail, lambda outcome: reports.append(type(outcome.error).__name__))
@@ -214,11 +212,6 @@ async def test_a_failure_is_reported_without_waiting_for_the_jobs_behind_it() ->
         assert reports == ["done", "OSError"]
         behind.set()
         await _until(lambda: len(reports) == 3)
-    finally:
-        release.set()
-        behind.set()
-        worker.stop()
-        assert await worker.join(5)
 
 
 @pytest.mark.asyncio
@@ -230,7 +223,7 @@ async def test_a_job_that_ended_does_not_time_out_while_its_report_waits_for_the
         slow_started.set()
         return release.wait(10)
 
-    try:
+    async with _stopping(worker, hold, release):
         worker.submit(lambda: hold.wait(10), lambda outcome: None)
         quick = asyncio.ensure_future(worker.run(lambda: "done", timeout=0.1))
         slow = asyncio.ensure_future(worker.run(slow_job))
@@ -244,11 +237,6 @@ async def test_a_job_that_ended_does_not_time_out_while_its_report_waits_for_the
         release.set()
         assert await quick == "done"
         assert await slow is True
-    finally:
-        hold.set()
-        release.set()
-        worker.stop()
-        assert await worker.join(5)
 
 
 @pytest.mark.asyncio
@@ -256,11 +244,7 @@ async def test_without_hold_reports_each_job_reports_as_it_ends() -> None:
     worker = WorkerThread("gsync-test-unheld", LoopHandle())
     release = threading.Event()
     reports: list[str] = []
-    try:
+    async with _stopping(worker, release):
         worker.submit(lambda: None, lambda outcome: reports.append("first"))
         worker.submit(lambda: release.wait(10), lambda outcome: reports.append("second"))
         await _until(lambda: reports == ["first"])
-    finally:
-        release.set()
-        worker.stop()
-        assert await worker.join(5)
