@@ -91,9 +91,6 @@ class DeviceActor:
         """A job of this device waits for the shared thread, behind another device's (read by the sync server
         and the heartbeat: a device held up by another is not the one to blame)."""
         self.params = [p for _, p in replica.named_parameters() if p.requires_grad]
-        self.plan = context.plan
-        self.grads = ReplicaGrads(self.plan, self.params, spec.torch_device, lazy=context.grads_in_place)
-        self.readiness = Readiness(self.plan)
         self.site = "data"
         self.step = -1
         self.waiting = False
@@ -105,7 +102,6 @@ class DeviceActor:
         self.optimizer_dirty = False
         self.failure: GsyncError | None = None
         self._context = context
-        self._in_place = self._buckets_in_place()
         # How the running backward treats gradients (see _hook_for); set per batch of a step.
         self._posting = True
         self._grad_scale = 1.0
@@ -116,7 +112,7 @@ class DeviceActor:
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
-        self._install_hooks()
+        self._adopt_plan()  # sets plan, grads, readiness and the hooks
 
     @property
     def name(self) -> str:
@@ -292,7 +288,8 @@ class DeviceActor:
             yield
 
     def _adopt_plan(self) -> None:
-        """Switch to a rebuilt bucket plan, between steps (each step writes every bucket slot afresh)."""
+        """Take the session's bucket plan: when built, and after a rebuild, between steps (each step writes every
+        bucket slot afresh)."""
         self.plan = self._context.plan
         self.grads = ReplicaGrads(self.plan, self.params, self.spec.torch_device, lazy=self._context.grads_in_place)
         self._in_place = self._buckets_in_place()
@@ -538,10 +535,21 @@ class DeviceActor:
         """Evaluate this device's shard of one batch in its worker thread; values are row-weighted sums.
 
         :raises ~gsync.WorkerFailed: when ``metric_fn`` raises.
+        :raises ~gsync.SyncTimeout: when it runs longer than ``sync_timeout`` (its wait behind other devices on a
+            shared thread does not count), as an optimizer step would.
         """
         if rows == 0:
             return {}
-        result: dict[str, float] = await self._in_thread(self._evaluate, data, rows, metric_fn)
+        timeout = self._context.sync_timeout
+        try:
+            result: dict[str, float] = await self._in_thread(self._evaluate, data, rows, metric_fn, timeout=timeout)
+        except JobTimedOut:
+            # The job runs on (it cannot be interrupted); the abort flag stops it at its next phase boundary.
+            self._context.abort.set()
+            raise SyncTimeout(
+                self.step, timeout, stalled_devices=[self.spec.name], site="evaluation",
+                last_seen={self.spec.name: self.where()},
+            ) from None
         return result
 
     async def run(self) -> None:

@@ -50,8 +50,8 @@ class Engine:
     :param first_bucket_mb: size of the first bucket, kept small so the first
         reduction starts early in backward.
     :param sync_timeout: seconds a step may take to synchronize (from the
-        moment the sync server starts on it) and an optimizer step may take,
-        before :class:`~gsync.SyncTimeout` is raised (per device: devices that
+        moment the sync server starts on it), and an optimizer step or a
+        device's share of an evaluation batch may take, before :class:`~gsync.SyncTimeout` is raised (per device: devices that
         take turns, see ``device_threads``, give a step as many times that).
         Reading data is not timed.
     :param on_nonfinite: ``"raise"`` (default) to stop with

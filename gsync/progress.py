@@ -15,6 +15,8 @@ from typing import Any
 __all__ = ("Progress", "progress_wanted")
 
 _LOG_EVERY_S = 5.0
+# tqdm redraws at most every 0.1 s by default; formatting the postfix more often than that is work nobody sees.
+_POSTFIX_EVERY_S = 0.1
 logger = logging.getLogger("gsync")
 
 
@@ -30,6 +32,8 @@ class Progress:
         self._bar: Any = None
         self._last_log = time.monotonic()
         self._first_step = first_step
+        self._last_postfix = float("-inf")
+        self._unshown: dict[str, Any] | None = None
         try:
             from tqdm.auto import tqdm
         except ImportError:
@@ -38,15 +42,30 @@ class Progress:
 
     def update(self, step: int, epoch: int, loss: float, lr: float, rows: int, seconds: float) -> None:
         samples = rows / seconds if seconds > 0 else float("nan")
+        now = time.monotonic()
         if self._bar is not None:
-            self._bar.set_postfix(epoch=epoch, loss=f"{loss:.4g}", lr=f"{lr:.3g}", samples_s=f"{samples:.0f}", refresh=False)
+            self._unshown = {"epoch": epoch, "loss": loss, "lr": lr, "samples": samples}
+            if now - self._last_postfix >= _POSTFIX_EVERY_S:
+                self._show_postfix()
+                self._last_postfix = now
             self._bar.update(1)
             return
-        now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S or step == self._first_step:
             self._last_log = now
             logger.info("step %d (epoch %d): loss %.4g, lr %.3g, %.0f samples/s", step, epoch, loss, lr, samples)
 
+    def _show_postfix(self) -> None:
+        values = self._unshown
+        if values is None:
+            return
+        self._unshown = None
+        self._bar.set_postfix(
+            epoch=values["epoch"], loss=f"{values['loss']:.4g}", lr=f"{values['lr']:.3g}",
+            samples_s=f"{values['samples']:.0f}", refresh=False,
+        )
+
     def close(self) -> None:
         if self._bar is not None:
+            # The last step's figures are what the finished bar shows.
+            self._show_postfix()
             self._bar.close()

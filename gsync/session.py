@@ -234,6 +234,7 @@ class Session:
         are restored afterwards.
 
         :raises ~gsync.WorkerFailed: when ``metric_fn`` raises on a device.
+        :raises ~gsync.SyncTimeout: when a device's share of a batch takes longer than ``sync_timeout``.
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
         self._check_usable("evaluate")

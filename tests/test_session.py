@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import sys
+import time
 from typing import Any
 
 import anyio
@@ -201,6 +202,22 @@ async def test_evaluate_failure_is_a_worker_failure_and_closes_the_session() -> 
     assert caught.value.checkpoint is not None and caught.value.checkpoint.step == 0
 
 
+@pytest.mark.parametrize("device_threads", ["shared", "per_device"])
+async def test_a_stalled_evaluation_raises_sync_timeout_naming_the_device(device_threads: str, no_leaks: None) -> None:
+    engine = gsync.Engine(TWO, sync_timeout=0.3, device_threads=device_threads)  # type: ignore[arg-type]
+    fault = gsync.testing.stall(device=1, step=0, site="evaluate")
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.step(make_batches(1, 8)[0])
+            await session.evaluate(make_batches(1, 8))
+    assert fault.fired_at is not None and time.monotonic() - fault.fired_at < 0.3 + 1.0
+    error = caught.value
+    assert error.site == "evaluation" and error.stalled_devices == ("cpu:1",)
+    assert error.last_seen == {"cpu:1": "step 0, evaluate"}
+    # The stall was after step 0 was applied everywhere: nothing consistent is lost.
+    assert error.checkpoint is not None and error.checkpoint.step == 0
+
+
 async def test_all_reduce_in_one_process_returns_the_value_as_is() -> None:
     engine = gsync.Engine(TWO)
     async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
@@ -294,6 +311,16 @@ async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, 
     caplog.set_level("INFO", logger="gsync")
     await gsync.Engine(TWO).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss, progress=True)
     assert any("step 0 (epoch 0): loss" in record.getMessage() for record in caplog.records)
+
+
+async def test_fit_progress_bar_ends_showing_the_last_steps_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    # Steps far less than tqdm's 0.1 s apart: the bar skips formatting most of them, but ends on the last one.
+    result = await gsync.Engine(TWO).fit(
+        TiedNet(), make_batches(6, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
+    )
+    final = capsys.readouterr().err.rstrip().split("\r")[-1]
+    assert "6/6" in final and f"loss={result.losses[-1]:.4g}" in final, final
 
 
 async def test_a_session_used_from_an_asyncio_task_group_too() -> None:
