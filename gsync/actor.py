@@ -112,7 +112,7 @@ class DeviceActor:
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
-        self._adopt_plan()  # sets plan, grads, readiness and the hooks
+        self._adopt_plan()  # sets plan, grads, the in-place flags, readiness and the hooks
 
     @property
     def name(self) -> str:
@@ -547,7 +547,7 @@ class DeviceActor:
             # The job runs on (it cannot be interrupted); the abort flag stops it at its next phase boundary.
             self._context.abort.set()
             raise SyncTimeout(
-                self.step, timeout, stalled_devices=[self.spec.name], site="evaluation",
+                self.step, timeout, stalled_devices=[self.spec.name], site="evaluate",
                 last_seen={self.spec.name: self.where()},
             ) from None
         return result

@@ -51,8 +51,9 @@ class Engine:
         reduction starts early in backward.
     :param sync_timeout: seconds a step may take to synchronize (from the
         moment the sync server starts on it), and an optimizer step or a
-        device's share of an evaluation batch may take, before :class:`~gsync.SyncTimeout` is raised (per device: devices that
-        take turns, see ``device_threads``, give a step as many times that).
+        device's share of an evaluation batch may take, before
+        :class:`~gsync.SyncTimeout` is raised (per device: devices that take
+        turns, see ``device_threads``, give a step as many times that).
         Reading data is not timed.
     :param on_nonfinite: ``"raise"`` (default) to stop with
         :class:`~gsync.NonFiniteLoss` when a device's loss is NaN or infinite,

@@ -125,7 +125,7 @@ class SyncFailed(FitError):
 
 
 class SyncTimeout(FitError, TimeoutError):
-    """A step did not complete within ``sync_timeout`` seconds.
+    """A step (or an evaluation, ``site="evaluate"``) did not complete within ``sync_timeout`` seconds.
 
     ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
     ``unreduced`` the buckets that were ready everywhere but whose reduction
@@ -152,7 +152,11 @@ class SyncTimeout(FitError, TimeoutError):
         self.stalled_devices = tuple(stalled_devices) or tuple(dict.fromkeys(d for d, _ in self.missing))
         self.last_seen = dict(last_seen or {})
         self.site = site
-        parts = [f"step {step} did not complete its {site} within {timeout:g} s"]
+        if site == "evaluate":  # between steps: ``step`` is the last step applied
+            when = f"after step {step}" if step >= 0 else "before the first step"
+            parts = [f"evaluate {when} did not complete within {timeout:g} s"]
+        else:
+            parts = [f"step {step} did not complete its {site} within {timeout:g} s"]
         if self.stalled_devices:
             described = [
                 f"{d} (last seen in {self.last_seen[d]})" if d in self.last_seen else d for d in self.stalled_devices

@@ -15,8 +15,6 @@ from typing import Any
 __all__ = ("Progress", "progress_wanted")
 
 _LOG_EVERY_S = 5.0
-# tqdm redraws at most every 0.1 s by default; formatting the postfix more often than that is work nobody sees.
-_POSTFIX_EVERY_S = 0.1
 logger = logging.getLogger("gsync")
 
 
@@ -32,7 +30,6 @@ class Progress:
         self._bar: Any = None
         self._last_log = time.monotonic()
         self._first_step = first_step
-        self._last_postfix = float("-inf")
         self._unshown: dict[str, Any] | None = None
         try:
             from tqdm.auto import tqdm
@@ -42,14 +39,16 @@ class Progress:
 
     def update(self, step: int, epoch: int, loss: float, lr: float, rows: int, seconds: float) -> None:
         samples = rows / seconds if seconds > 0 else float("nan")
-        now = time.monotonic()
-        if self._bar is not None:
+        bar = self._bar
+        if bar is not None:
             self._unshown = {"epoch": epoch, "loss": loss, "lr": lr, "samples": samples}
-            if now - self._last_postfix >= _POSTFIX_EVERY_S:
+            # Formatted only when this update may redraw the bar (tqdm redraws at most every ``mininterval``
+            # seconds, by its own clock): most steps' figures would never be seen.
+            if not bar.disable and time.time() - bar.last_print_t >= bar.mininterval:
                 self._show_postfix()
-                self._last_postfix = now
-            self._bar.update(1)
+            bar.update(1)
             return
+        now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S or step == self._first_step:
             self._last_log = now
             logger.info("step %d (epoch %d): loss %.4g, lr %.3g, %.0f samples/s", step, epoch, loss, lr, samples)
@@ -66,6 +65,7 @@ class Progress:
 
     def close(self) -> None:
         if self._bar is not None:
-            # The last step's figures are what the finished bar shows.
-            self._show_postfix()
+            if not self._bar.disable:
+                # The last step's figures are what the finished bar shows.
+                self._show_postfix()
             self._bar.close()

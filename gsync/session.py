@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -783,19 +783,26 @@ class Session:
         if not self._actors or id(failure) in self._checkpoint_attempted:
             return
         self._checkpoint_attempted.add(id(failure))
+        # A stalled device's job may still be running on its replica (it cannot be interrupted): read another.
+        busy = failure.stalled_devices if isinstance(failure, SyncTimeout) else ()
         try:
-            checkpoint = self._last_consistent()
+            checkpoint = self._last_consistent(busy)
         except Exception as error:  # noqa: BLE001 - the original failure matters more
             failure.add_note(f"gsync could not capture a checkpoint: {error!r}")
             return
         failure.checkpoint = checkpoint
         failure.last_step = checkpoint.step if checkpoint.step >= 0 else None
 
-    def _last_consistent(self) -> Checkpoint:
+    def _last_consistent(self, busy: Collection[str] = ()) -> Checkpoint:
+        """The state after the most advanced step a replica applied, read from a replica not named in ``busy``
+        where one as advanced is not busy."""
         # A replica whose optimizer step was interrupted is half-updated; every
         # other replica holds the state after its own last applied step, and
         # each such step was reduced on every device before it was applied.
         clean = [actor for actor in self._actors if not actor.optimizer_dirty]
+        idle = [actor for actor in clean if actor.name not in busy]
+        if idle and max(a.applied_step for a in idle) == max(a.applied_step for a in clean):
+            clean = idle
         if not clean:
             raise RuntimeError("every replica was interrupted inside its optimizer step")
         best = max(clean, key=lambda actor: actor.applied_step)

@@ -247,8 +247,9 @@ class Trace:
         index = getattr(failure, "device_index", None)
         if isinstance(index, int) and index >= 0:
             return index
-        if isinstance(failure, SyncTimeout) and failure.site == "optimizer step" and len(failure.stalled_devices) == 1:
-            # Raised by the device whose optimizer step stalled.
+        device_sites = ("optimizer step", "evaluate")
+        if isinstance(failure, SyncTimeout) and failure.site in device_sites and len(failure.stalled_devices) == 1:
+            # Raised by the device whose optimizer step (or share of an evaluation) stalled.
             name = failure.stalled_devices[0]
             return self.devices.index(name) if name in self.devices else _STEPS
         if isinstance(failure, (SyncFailed, SyncTimeout)):

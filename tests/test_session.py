@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import sys
+import threading
 import time
 from typing import Any
 
@@ -202,20 +203,56 @@ async def test_evaluate_failure_is_a_worker_failure_and_closes_the_session() -> 
     assert caught.value.checkpoint is not None and caught.value.checkpoint.step == 0
 
 
+@pytest.mark.parametrize("device", [0, 1])
 @pytest.mark.parametrize("device_threads", ["shared", "per_device"])
-async def test_a_stalled_evaluation_raises_sync_timeout_naming_the_device(device_threads: str, no_leaks: None) -> None:
+async def test_a_stalled_evaluation_raises_sync_timeout_naming_the_device(
+    device_threads: str, device: int, no_leaks: None
+) -> None:
     engine = gsync.Engine(TWO, sync_timeout=0.3, device_threads=device_threads)  # type: ignore[arg-type]
-    fault = gsync.testing.stall(device=1, step=0, site="evaluate")
+    # On the shared thread, cpu:1's share waits behind a stalled cpu:0's: only cpu:0 is named.
+    fault = gsync.testing.stall(device=device, step=0, site="evaluate")
     with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
         async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
             await session.step(make_batches(1, 8)[0])
             await session.evaluate(make_batches(1, 8))
     assert fault.fired_at is not None and time.monotonic() - fault.fired_at < 0.3 + 1.0
     error = caught.value
-    assert error.site == "evaluation" and error.stalled_devices == ("cpu:1",)
-    assert error.last_seen == {"cpu:1": "step 0, evaluate"}
+    name = f"cpu:{device}"
+    assert error.site == "evaluate" and error.stalled_devices == (name,)
+    assert error.last_seen == {name: "step 0, evaluate"}
+    assert str(error).startswith("evaluate after step 0 did not complete within 0.3 s")
     # The stall was after step 0 was applied everywhere: nothing consistent is lost.
     assert error.checkpoint is not None and error.checkpoint.step == 0
+
+
+async def test_the_checkpoint_of_a_stalled_evaluation_is_read_from_a_replica_no_job_still_uses() -> None:
+    engine = gsync.Engine(TWO, sync_timeout=0.3)
+    release = threading.Event()
+    try:
+        with pytest.raises(gsync.SyncTimeout) as caught:
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                await session.step(make_batches(1, 8)[0])
+                expected = copy.deepcopy(session._actors[1].replica.state_dict())
+                stalled = session._actors[0].replica
+
+                def scribbles_then_hangs(model: nn.Module, batch: Any) -> torch.Tensor:
+                    if model is stalled:  # a metric that writes to the model, then blocks in native code
+                        with torch.no_grad():
+                            for param in model.parameters():
+                                param.fill_(float("nan"))
+                        release.wait(10)
+                    return classification_loss(model, batch)
+
+                await session.evaluate(make_batches(1, 8), metric_fn=scribbles_then_hangs)
+        assert caught.value.stalled_devices == ("cpu:0",)
+        checkpoint = caught.value.checkpoint
+        assert checkpoint is not None and checkpoint.step == 0
+        for name, value in checkpoint.model_state.items():
+            assert torch.equal(value, expected[name]), name
+    finally:
+        release.set()
+    for thread in [t for t in threading.enumerate() if t.name.startswith("gsync-")]:
+        thread.join(5)
 
 
 async def test_all_reduce_in_one_process_returns_the_value_as_is() -> None:
@@ -313,14 +350,29 @@ async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, 
     assert any("step 0 (epoch 0): loss" in record.getMessage() for record in caplog.records)
 
 
-async def test_fit_progress_bar_ends_showing_the_last_steps_figures(capsys: pytest.CaptureFixture[str]) -> None:
-    pytest.importorskip("tqdm")
-    # Steps far less than tqdm's 0.1 s apart: the bar skips formatting most of them, but ends on the last one.
+async def test_fit_progress_bar_formats_figures_only_to_redraw_and_ends_on_the_last_steps(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tqdm = pytest.importorskip("tqdm")
+    formatted: list[object] = []
+    set_postfix = tqdm.std.tqdm.set_postfix
+    monkeypatch.setattr(tqdm.std.tqdm, "set_postfix", lambda bar, *a, **k: formatted.append(k) or set_postfix(bar, *a, **k))
+    monkeypatch.setenv("TQDM_MININTERVAL", "1000")  # no redraw during the run: no figures are formatted for one
     result = await gsync.Engine(TWO).fit(
         TiedNet(), make_batches(6, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
     )
     final = capsys.readouterr().err.rstrip().split("\r")[-1]
     assert "6/6" in final and f"loss={result.losses[-1]:.4g}" in final, final
+    assert len(formatted) == 1  # at the end
+
+
+async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    result = await gsync.Engine(TWO).fit(
+        TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
+    )
+    assert len(result.losses) == 3
 
 
 async def test_a_session_used_from_an_asyncio_task_group_too() -> None:
