@@ -16,6 +16,7 @@ import torch
 
 import gsync
 
+from . import baselines
 from .analysis import summarize_trace
 from .common import Window, median, minor_faults, os_threads, summarize_ms
 from .workloads import (
@@ -224,7 +225,8 @@ async def gsync_control_plane(
     bucket_mb: float | None = None,
     device_threads: str = "auto",
 ) -> dict[str, Any]:
-    """Time per step of gsync on the tiny model (``layers`` x Linear(8, 8)), without trace.
+    """Time per step of gsync on the tiny model (``layers`` x Linear(8, 8)), without trace, against
+    the same replicas' work done sequentially in one plain thread, measured between gsync's repeats.
 
     Per-step figures = (long fit - short fit) / (long - short), so the fixed cost of a fit
     (replicas, threads, teardown) cancels; the median over ``repeats`` pairs is kept. Taken
@@ -233,6 +235,12 @@ async def gsync_control_plane(
     ``per_param_buckets`` gives every parameter its own bucket (the worst case for
     per-message costs); ``bucket_mb`` sets both bucket caps (a large value: one bucket).
     ``device_threads``: ``gsync.Engine``'s setting.
+
+    The sequential baseline (:func:`bench.baselines.sequential`) runs before the first
+    repeat and after each, in this process: each repeat is compared with the mean of the two
+    baselines around it, and ``ratio_to_sequential`` is the median of those ratios. The
+    machine's speed drifts by tens of percent over minutes; a baseline measured in another
+    process minutes away compares with gsync no better than that.
     """
     counter = _LoopCounter()
     model = make_tiny(layers)
@@ -251,6 +259,11 @@ async def gsync_control_plane(
     def sample() -> tuple[float, ...]:
         return (time.perf_counter(), time.thread_time(), *counter.read())
 
+    def sequential_us() -> float:
+        baseline = baselines.sequential(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
+        return float(baseline["us_per_step"])
+
+    sequential = [sequential_us()]
     for _ in range(repeats):
         s0 = sample()
         await engine.fit(model, short_data, optimizer=sgd, loss_fn=tiny_loss)
@@ -261,13 +274,22 @@ async def gsync_control_plane(
             per_step[key].append(((c - b) - (b - a)) / extra_steps)
         fixed.append((s1[0] - s0[0]) - short_steps * per_step["wall"][-1])
         stats = result.stats
+        sequential.append(sequential_us())
     win = window.stop()
     assert stats is not None
     mid = {key: median(values) for key, values in per_step.items()}
+    paired = [
+        wall * 1e6 / ((before + after) / 2)
+        for wall, before, after in zip(per_step["wall"], sequential, sequential[1:])
+    ]
     return {
         "window": win,
         "us_per_step": mid["wall"] * 1e6,
         "all_us_per_step": [s * 1e6 for s in per_step["wall"]],
+        "sequential_us_per_step": median(sequential),
+        "all_sequential_us_per_step": sequential,
+        "ratio_to_sequential": median(paired),
+        "all_ratios_to_sequential": paired,
         "loop_cpu_us_per_step": mid["loop_cpu"] * 1e6,
         "thread_posts_per_step": mid["posts"],
         "loop_iterations_per_step": mid["polls"],

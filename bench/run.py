@@ -74,7 +74,7 @@ class Plan:
     per_param_long: int
     control8_short: int
     control8_long: int
-    sequential_steps: int
+    tiny_floor_steps: int
     timeout: float
     retries: int  # reruns of one noisy measurement
     retry_budget: int  # reruns in the whole run
@@ -83,10 +83,10 @@ class Plan:
 
 
 QUICK = Plan(repeats=1, steps=10, warmup=3, sweep_steps=6, sweep_warmup=2, control_short=30, control_long=150,
-             control_repeats=2, per_param_short=8, per_param_long=32, control8_short=10, control8_long=40, sequential_steps=100, timeout=120,
+             control_repeats=2, per_param_short=8, per_param_long=32, control8_short=10, control8_long=40, tiny_floor_steps=100, timeout=120,
              retries=1, retry_budget=3, quiet_wait_budget_s=20, patience_until_s=80)
 FULL = Plan(repeats=3, steps=30, warmup=5, sweep_steps=20, sweep_warmup=3, control_short=100, control_long=600,
-            control_repeats=3, per_param_short=20, per_param_long=100, control8_short=40, control8_long=200, sequential_steps=600, timeout=300,
+            control_repeats=3, per_param_short=20, per_param_long=100, control8_short=40, control8_long=200, tiny_floor_steps=600, timeout=300,
             retries=2, retry_budget=12, quiet_wait_budget_s=90, patience_until_s=330)
 
 # Step-section configurations: (key, label, how to run it).
@@ -274,13 +274,10 @@ def section_memory(runner: Runner, step: dict[str, Any] | None) -> dict[str, Any
 
 def section_control(runner: Runner) -> dict[str, Any]:
     plan = runner.plan
-    sequential = runner.task(
-        "control: 2 replicas sequentially in one thread", "sequential",
-        steps=plan.sequential_steps, warmup=20, repeats=3,
-    )
+    # Each gsync row carries its own sequential baseline, measured between its repeats.
     threads = runner.task(
         "control: 2 threads, one replica each, no sync (tiny floor)", "floor",
-        steps=plan.sequential_steps, warmup=20, threads_per_replica=1, workload="tiny",
+        steps=plan.tiny_floor_steps, warmup=20, threads_per_replica=1, workload="tiny",
     )
     default = runner.task(
         "control: gsync 2 x cpu, default buckets", "gsync_control_plane",
@@ -291,8 +288,7 @@ def section_control(runner: Runner) -> dict[str, Any]:
         short_steps=plan.per_param_short, long_steps=plan.per_param_long, repeats=plan.control_repeats,
         per_param_buckets=True,
     )
-    return {"sequential": sequential, "threads_no_sync": threads, "gsync_default_buckets": default,
-            "gsync_per_param_buckets": per_param}
+    return {"threads_no_sync": threads, "gsync_default_buckets": default, "gsync_per_param_buckets": per_param}
 
 
 CONTROL8_DEVICES = 8
@@ -305,11 +301,8 @@ def section_control8(runner: Runner) -> dict[str, Any]:
     with no synchronization at all (what one thread per device costs before gsync does anything)."""
     plan = runner.plan
     common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control_repeats}
+    # Each gsync row carries its own sequential baseline, measured between its repeats.
     out = {
-        "sequential": runner.task(
-            f"control8: {CONTROL8_DEVICES} replicas sequentially in one thread", "sequential",
-            steps=plan.control8_long, warmup=10, repeats=3, replicas=CONTROL8_DEVICES, layers=CONTROL8_LAYERS,
-        ),
         "threads": runner.task(
             f"control8: {CONTROL8_DEVICES} plain threads, one replica each, no sync", "floor",
             steps=plan.control8_long, warmup=10, threads_per_replica=1, replicas=CONTROL8_DEVICES, workload="tiny",
