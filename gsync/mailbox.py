@@ -18,9 +18,7 @@ import threading
 from collections import deque
 from typing import Generic, TypeVar
 
-import anyio
-
-from ._threads import LoopHandle
+from ._threads import Event, LoopHandle
 from .errors import MailboxClosed
 
 M = TypeVar("M")
@@ -34,7 +32,7 @@ class Mailbox(Generic[M]):
         self._loop = loop
         self._queue: deque[M] = deque()
         # The reader's wake-up while it waits on an empty mailbox; set by the next post or close.
-        self._waiter: anyio.Event | None = None
+        self._waiter: Event | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._from_threads: list[M] = []
@@ -138,7 +136,7 @@ class Mailbox(Generic[M]):
                 raise MailboxClosed(self.owner, "<receive>")
             waiter = self._waiter
             if waiter is None:
-                waiter = self._waiter = anyio.Event()
+                waiter = self._waiter = self._loop.event()
             await waiter.wait()
 
     def receive_nowait(self) -> M | None:

@@ -37,7 +37,7 @@ import anyio
 import torch
 from torch import nn
 
-from ._threads import FitAborted, LoopHandle, WorkerThread
+from ._threads import Event, FitAborted, LoopHandle, WorkerThread
 from .actor import DeviceActor, MetricFn
 from .assembly import assemble, plan_buckets
 from .batches import batch_rows, shard_rows, split_batch
@@ -141,7 +141,7 @@ class Session:
         self._ended = False
         self._stepping = False
         self._operations_done = 0
-        self._operation_over: anyio.Event | None = None
+        self._operation_over: Event | None = None
         self._op_scope: anyio.CancelScope | None = None
         self._failing = False
         self._settled = anyio.Event()
@@ -452,7 +452,7 @@ class Session:
             raise self._fail(peer_failed(left))
         scope = anyio.CancelScope()
         self._op_scope = scope
-        self._operation_over = over = anyio.Event()
+        self._operation_over = over = self._loop_handle().event()
         self._stepping = True
         symptom = False
         try:
