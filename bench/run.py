@@ -13,11 +13,11 @@ Sections (``--only`` takes a comma-separated subset; default all):
   thread; and with a thread per device, with 2 or 1 torch threads each), torch DDP gloo
   (2 processes x 1 thread), with ratios and gsync's trace analysis
 - ``memory``: peak RSS per configuration (each measured in its own fresh process)
-- ``control``: control-plane cost on 200 tiny parameter tensors (gsync minus the same work
-  sequentially in one thread), messages per step
+- ``control``: control-plane cost on 200 tiny parameter tensors (gsync against the same work
+  sequentially in one thread, measured between gsync's repeats in its process), messages per step
 - ``control8``: 8 virtual CPU devices on 100 tiny parameter tensors, one bucket (on the shared
   thread and with a thread per device) and one bucket per tensor, against the 8 replicas' work
-  done sequentially in one thread: ms/step, ratio, event-loop CPU, BucketReady messages, thread
+  done sequentially in one thread (paired as in ``control``): ms/step, ratio, event-loop CPU, BucketReady messages, thread
   posts and loop wake-ups per step, loop CPU per message
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
 - ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it (a thread per device)

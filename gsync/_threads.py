@@ -20,11 +20,11 @@ import anyio
 
 T = TypeVar("T")
 
-__all__ = ("Event", "FitAborted", "JobTimedOut", "LoopHandle", "Outcome", "WorkerThread")
+__all__ = ("FitAborted", "JobTimedOut", "LoopEvent", "LoopHandle", "Outcome", "WorkerThread")
 
 
-class Event(Protocol):
-    """A one-shot event of the loop's library (``asyncio.Event`` or ``anyio.Event``), set on the loop."""
+class LoopEvent(Protocol):
+    """A one-shot event of the loop's own library (``asyncio.Event`` or ``trio.Event``), set on the loop."""
 
     def set(self) -> object: ...
 
@@ -58,27 +58,29 @@ class LoopHandle:
             loop = asyncio.get_running_loop()
             self._wake: Callable[..., Any] = loop.call_soon_threadsafe
             self._loop_closed: Callable[[], bool] = loop.is_closed
-            self._new_event: Callable[[], Event] = asyncio.Event
+            self._new_event: Callable[[], LoopEvent] = asyncio.Event
         except RuntimeError:
             # Not asyncio: anyio's only other backend is trio.
             import trio
 
             self._wake = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_closed = lambda: False
-            self._new_event = anyio.Event
+            self._new_event = trio.Event
         self._lock = threading.Lock()
         # Non-empty while a wake-up that will run it is scheduled (or about to be, by the
         # poster that made it non-empty). If the loop closes meanwhile, what is queued is
         # dropped: nothing is left to run it, as with a closed loop's own call_soon_threadsafe.
         self._pending: list[tuple[Callable[..., object], tuple[object, ...]]] = []
 
-    def event(self) -> Event:
-        """A new event for a task of this loop to wait on; on asyncio, asyncio's own.
+    def event(self) -> LoopEvent:
+        """A new event of the loop's own library, for a task of this loop to wait on.
 
         A mailbox or a job waited for makes one per wait, several per step.
         ``anyio.Event()`` first asks which library runs the loop, about 5 us
-        each time (asyncio's own costs 0.3); anyio waits on an asyncio event
-        under its cancel scopes as on its own.
+        each time (asyncio's own costs 0.3); anyio's cancel scopes cancel a
+        wait on it as on anyio's. Unlike ``anyio.Event``, waiting on an event
+        already set returns without yielding to the loop: not a checkpoint.
+        (Events made once per session or thread stay ``anyio.Event``.)
         """
         return self._new_event()
 

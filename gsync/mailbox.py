@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from typing import Generic, TypeVar
 
-from ._threads import Event, LoopHandle
+from ._threads import LoopEvent, LoopHandle
 from .errors import MailboxClosed
 
 M = TypeVar("M")
@@ -32,7 +32,7 @@ class Mailbox(Generic[M]):
         self._loop = loop
         self._queue: deque[M] = deque()
         # The reader's wake-up while it waits on an empty mailbox; set by the next post or close.
-        self._waiter: Event | None = None
+        self._waiter: LoopEvent | None = None
         self._closed = False
         self._lock = threading.Lock()
         self._from_threads: list[M] = []

@@ -10,7 +10,7 @@ import anyio
 from ._threads import FitAborted
 from .errors import ConfigError, FitError, GsyncError, InputTypeError
 
-__all__ = ("first_failure", "flatten", "is_cancellation")
+__all__ = ("first_failure", "flatten", "is_cancellation", "raised_by_block")
 
 
 def flatten(group: BaseExceptionGroup[Any]) -> list[BaseException]:
@@ -55,3 +55,21 @@ def is_cancellation(error: BaseException) -> bool:
     if isinstance(error, BaseExceptionGroup):
         return all(is_cancellation(e) for e in error.exceptions)
     return isinstance(error, anyio.get_cancelled_exc_class())
+
+
+def raised_by_block(errors: BaseExceptionGroup[Any], failure: BaseException | None) -> BaseException:
+    """What a session's ``async with`` raises when its task group collected ``errors``.
+
+    The session's own ``failure`` if it had one (the user's code was
+    cancelled because of it); else the user's exception, unchanged; else a
+    cancellation.
+    """
+    flat = flatten(errors)
+    if failure is not None and any(e is failure for e in flat):
+        return failure
+    for error in flat:
+        if not is_cancellation(error):
+            return error
+    if failure is not None:
+        return failure
+    return flat[0] if flat else errors

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -37,7 +37,7 @@ import anyio
 import torch
 from torch import nn
 
-from ._threads import Event, FitAborted, LoopHandle, WorkerThread
+from ._threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
 from .actor import DeviceActor, MetricFn
 from .assembly import assemble, plan_buckets
 from .batches import batch_rows, shard_rows, split_batch
@@ -62,8 +62,9 @@ from .errors import (
 )
 from .mailbox import Mailbox
 from .messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
-from .outcome import first_failure, flatten, is_cancellation
+from .outcome import first_failure, is_cancellation, raised_by_block
 from .rebuild import PlanRebuild
+from .recovery import attach_checkpoint, last_consistent
 from .replicas import build_replicas
 from .rng import capture_rng
 from .result import FitStats
@@ -141,7 +142,7 @@ class Session:
         self._ended = False
         self._stepping = False
         self._operations_done = 0
-        self._operation_over: Event | None = None
+        self._operation_over: LoopEvent | None = None
         self._op_scope: anyio.CancelScope | None = None
         self._failing = False
         self._settled = anyio.Event()
@@ -450,9 +451,10 @@ class Session:
         left = self._peer_left
         if left is not None and self._operations_done >= left.operations:
             raise self._fail(peer_failed(left))
+        over = self._loop_handle().event()
         scope = anyio.CancelScope()
         self._op_scope = scope
-        self._operation_over = over = self._loop_handle().event()
+        self._operation_over = over
         self._stepping = True
         symptom = False
         try:
@@ -783,37 +785,10 @@ class Session:
         if not self._actors or id(failure) in self._checkpoint_attempted:
             return
         self._checkpoint_attempted.add(id(failure))
-        # A stalled device's job may still be running on its replica (it cannot be interrupted): read another.
-        busy = failure.stalled_devices if isinstance(failure, SyncTimeout) else ()
-        try:
-            checkpoint = self._last_consistent(busy)
-        except Exception as error:  # noqa: BLE001 - the original failure matters more
-            failure.add_note(f"gsync could not capture a checkpoint: {error!r}")
-            return
-        failure.checkpoint = checkpoint
-        failure.last_step = checkpoint.step if checkpoint.step >= 0 else None
-
-    def _last_consistent(self, busy: Collection[str] = ()) -> Checkpoint:
-        """The state after the most advanced step a replica applied, read from a replica not named in ``busy``
-        where one as advanced is not busy."""
-        # A replica whose optimizer step was interrupted is half-updated; every
-        # other replica holds the state after its own last applied step, and
-        # each such step was reduced on every device before it was applied.
-        clean = [actor for actor in self._actors if not actor.optimizer_dirty]
-        idle = [actor for actor in clean if actor.name not in busy]
-        if idle and max(a.applied_step for a in idle) == max(a.applied_step for a in clean):
-            clean = idle
-        if not clean:
-            raise RuntimeError("every replica was interrupted inside its optimizer step")
-        best = max(clean, key=lambda actor: actor.applied_step)
-        if best.applied_step < self.first_step:
-            if self._resume is not None:
-                return self._resume
-            return Checkpoint.capture(-1, self.model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)
-        buffers = self._buffers.snapshot(best.applied_step) if self._buffers is not None else None
-        return Checkpoint.capture(
-            best.applied_step, best.replica, best.optimizer, buffers, scheduler=best.scheduler, scaler=best.scaler
-        )
+        attach_checkpoint(failure, lambda busy: last_consistent(
+            self._actors, busy=busy, first_step=self.first_step, model=self.model, resume=self._resume,
+            buffers=self._buffers,
+        ))
 
 
 @asynccontextmanager
@@ -845,7 +820,7 @@ async def open_session(
                 else:
                     session._stop_serving()
         except BaseExceptionGroup as errors:
-            raised = _pick(session, errors)
+            raised = raised_by_block(errors, session._failure)
         except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
             raised = error
         if raised is None:
@@ -870,23 +845,6 @@ async def open_session(
         if isinstance(raised, GsyncError):
             logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
         raise raised
-
-
-def _pick(session: Session, errors: BaseExceptionGroup[Any]) -> BaseException:
-    """What the ``async with`` raises when its task group collected exceptions.
-
-    The session's own failure if it had one (the user's code was cancelled
-    because of it); else the user's exception, unchanged; else a cancellation.
-    """
-    flat = flatten(errors)
-    if session._failure is not None and any(e is session._failure for e in flat):
-        return session._failure
-    for error in flat:
-        if not is_cancellation(error):
-            return error
-    if session._failure is not None:
-        return session._failure
-    return flat[0] if flat else errors
 
 
 async def _iterate(data: Iterable[Any] | AsyncIterable[Any], loop: LoopHandle) -> AsyncIterator[Any]:

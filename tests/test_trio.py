@@ -1,0 +1,43 @@
+"""gsync under trio, anyio's other backend: its threads reach a trio loop through the loop bridge's trio branch."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+import gsync
+from conftest import Deep, assert_same_state, classification_loss, make_batches, sgd, train_reference
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_fit_session_evaluate_and_cancellation_under_trio(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = Deep()
+    batches = make_batches(steps=4, rows=32)
+    expected_model, expected_losses = train_reference(model, batches + batches[:1])
+    engine = gsync.Engine(["cpu:0", "cpu:1"], first_bucket_mb=0.001, bucket_cap_mb=0.01)
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        result = await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss, progress=False)
+        seen["buckets"] = result.stats.buckets
+        seen["fit_losses"] = result.losses
+        async with engine.session(model, optimizer=sgd, loss_fn=classification_loss, resume=result.checkpoint) as session:
+            seen["step_loss"] = (await session.step(batches[0])).loss
+            seen["evaluate"] = await session.evaluate(batches[:2])
+        with anyio.move_on_after(0.2) as scope:
+            await engine.fit(model, batches * 500, optimizer=sgd, loss_fn=classification_loss, progress=False)
+        seen["cancelled"] = scope.cancelled_caught
+
+    anyio.run(main, backend="trio")
+
+    assert isinstance(seen["buckets"], int) and seen["buckets"] > 1
+    torch.testing.assert_close(
+        torch.tensor([*seen["fit_losses"], seen["step_loss"]]), torch.tensor(expected_losses), atol=2e-5, rtol=0  # type: ignore[misc]
+    )
+    assert set(seen["evaluate"]) == {"loss"}  # type: ignore[arg-type]
+    assert seen["cancelled"] is True
+    # The cancelled fit left the model as it was after the session, which continued the fit by one step.
+    assert_same_state(model, expected_model)
