@@ -239,9 +239,8 @@ async def gsync_control_plane(
     The sequential baseline (:func:`bench.baselines.sequential`) runs before the first
     repeat and after each, in this process: each repeat is compared with the mean of the two
     baselines around it; ``ratio_to_sequential`` and ``minus_sequential_us_per_step`` are the
-    medians over repeats. The
-    machine's speed drifts by tens of percent over minutes; a baseline measured in another
-    process minutes away compares with gsync no better than that.
+    medians over repeats. The machine's speed drifts by tens of percent over minutes; a
+    baseline measured in another process minutes away compares with gsync no better than that.
     """
     counter = _LoopCounter()
     model = make_tiny(layers)
@@ -281,17 +280,18 @@ async def gsync_control_plane(
     win = window.stop()
     assert stats is not None
     mid = {key: median(values) for key, values in per_step.items()}
+    walls_us = [s * 1e6 for s in per_step["wall"]]
     around = [(before + after) / 2 for before, after in zip(sequential, sequential[1:])]
-    paired = [wall * 1e6 / baseline for wall, baseline in zip(per_step["wall"], around)]
+    paired = [wall / baseline for wall, baseline in zip(walls_us, around)]
     return {
         "window": win,
         "us_per_step": mid["wall"] * 1e6,
-        "all_us_per_step": [s * 1e6 for s in per_step["wall"]],
+        "all_us_per_step": walls_us,
         "sequential_us_per_step": median(sequential),
         "all_sequential_us_per_step": sequential,
         "ratio_to_sequential": median(paired),
         "all_ratios_to_sequential": paired,
-        "minus_sequential_us_per_step": median([wall * 1e6 - baseline for wall, baseline in zip(per_step["wall"], around)]),
+        "minus_sequential_us_per_step": median([wall - baseline for wall, baseline in zip(walls_us, around)]),
         "loop_cpu_us_per_step": mid["loop_cpu"] * 1e6,
         "thread_posts_per_step": mid["posts"],
         "loop_iterations_per_step": mid["polls"],

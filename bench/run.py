@@ -17,8 +17,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
   sequentially in one thread, measured between gsync's repeats in its process), messages per step
 - ``control8``: 8 virtual CPU devices on 100 tiny parameter tensors, one bucket (on the shared
   thread and with a thread per device) and one bucket per tensor, against the 8 replicas' work
-  done sequentially in one thread (paired as in ``control``): ms/step, ratio, event-loop CPU, BucketReady messages, thread
-  posts and loop wake-ups per step, loop CPU per message
+  done sequentially in one thread (paired as in ``control``): ms/step, ratio, event-loop CPU,
+  BucketReady messages, thread posts and loop wake-ups per step, loop CPU per message
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
 - ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it (a thread per device)
 - ``checkpoint`` (full mode, or on request): gsync's step time with ``fit(checkpoint_dir=...)`` writing
