@@ -1,5 +1,6 @@
 """Baselines without gsync: one plain process, the 2-replica compute floor, torch DDP (gloo)
-and, for the control-plane benchmarks, N replicas trained sequentially in one thread.
+and, for the control-plane benchmarks, N replicas trained sequentially in one thread, and the same
+work handed out by an asyncio loop to threads as gsync does, with nothing else (the design's floor).
 
 Each function runs inside a fresh worker process (see ``isolate.py``) and
 returns a JSON-able dict; step times are wall-clock per optimizer step,
@@ -8,7 +9,10 @@ measured after ``warmup`` steps.
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import functools
+import queue
 import threading
 import time
 from datetime import timedelta
@@ -267,3 +271,75 @@ def sequential(steps: int, warmup: int, repeats: int = 1, replicas: int = 2, lay
     per_step.sort()
     return {"window": win, "us_per_step": per_step[len(per_step) // 2] * 1e6, "all_us_per_step": [s * 1e6 for s in per_step],
             "params": len(params[0]), "replicas": replicas}
+
+
+class _JobThread:
+    """A plain OS thread running jobs one at a time for an asyncio loop; each result comes back on a future."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future = item
+            self._loop.call_soon_threadsafe(future.set_result, job())
+
+    def run(self, job: Any) -> asyncio.Future[Any]:
+        future = self._loop.create_future()
+        self._jobs.put((job, future))
+        return future
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+async def handoff_floor(steps: int, warmup: int, replicas: int = 2, layers: int = TINY_LAYERS) -> dict[str, Any]:
+    """Control-plane floor of gsync's architecture: :func:`sequential`'s work, split into the jobs gsync runs and
+    handed out by an asyncio loop, with nothing else (no messages, mailboxes, buckets or timeouts).
+
+    Per step: each replica's forward, backward and loss read as one job on a worker thread the replicas share
+    (gsync's default on CPU), the gradient averaging as one job on a second thread (gsync's communication
+    thread), then each replica's optimizer step as one job on the worker thread; each phase's jobs are awaited
+    together. What gsync costs over this is its own machinery; what this costs over :func:`sequential` is the
+    design's (thread hand-offs, loop wake-ups, the GIL shared with the loop).
+    """
+    loop = asyncio.get_running_loop()
+    model = make_tiny(layers)
+    copies = [copy.deepcopy(model) for _ in range(replicas)]
+    optimizers = [sgd(r.parameters()) for r in copies]
+    batches = make_tiny_batches(warmup + steps)
+    params = [list(r.parameters()) for r in copies]
+    device, comm = _JobThread(loop), _JobThread(loop)
+
+    def forward_backward(index: int, batch: Any) -> None:
+        optimizers[index].zero_grad()
+        loss = tiny_loss(copies[index], shard(batch, replicas, index))
+        loss.backward()
+        loss.item()
+
+    def average() -> None:
+        grads = [[p.grad for p in ps] for ps in params]
+        for other in grads[1:]:
+            torch._foreach_add_(grads[0], other)
+        torch._foreach_mul_(grads[0], 1.0 / replicas)
+        for other in grads[1:]:
+            torch._foreach_copy_(other, grads[0])
+
+    window = Window()
+    start = 0.0
+    try:
+        for i, batch in enumerate(batches):
+            if i == warmup:
+                start = time.perf_counter()
+            await asyncio.gather(*(device.run(functools.partial(forward_backward, r, batch)) for r in range(replicas)))
+            await comm.run(average)
+            await asyncio.gather(*(device.run(optimizer.step) for optimizer in optimizers))
+        us_per_step = (time.perf_counter() - start) / steps * 1e6
+    finally:
+        device.stop()
+        comm.stop()
+    return {"window": window.stop(), "us_per_step": us_per_step, "params": len(params[0]), "replicas": replicas}

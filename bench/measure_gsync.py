@@ -236,10 +236,12 @@ async def gsync_control_plane(
     per-message costs); ``bucket_mb`` sets both bucket caps (a large value: one bucket).
     ``device_threads``: ``gsync.Engine``'s setting.
 
-    The sequential baseline (:func:`bench.baselines.sequential`) runs before the first
-    repeat and after each, in this process: each repeat is compared with the mean of the two
-    baselines around it; ``ratio_to_sequential`` and ``minus_sequential_us_per_step`` are the
-    medians over repeats. The machine's speed drifts by tens of percent over minutes; a
+    Two baselines run before the first repeat and after each, in this process: the sequential
+    loop (:func:`bench.baselines.sequential`) and the same jobs handed out by an asyncio loop to
+    two plain threads (:func:`bench.baselines.handoff_floor`, the design's floor). Each repeat is
+    compared with the mean of the two runs of a baseline around it; ``ratio_to_sequential``,
+    ``minus_sequential_us_per_step``, ``ratio_to_handoff`` and ``handoff_ratio_to_sequential``
+    are medians over repeats. The machine's speed drifts by tens of percent over minutes; a
     baseline measured in another process minutes away compares with gsync no better than that.
     """
     counter = _LoopCounter()
@@ -259,11 +261,13 @@ async def gsync_control_plane(
     def sample() -> tuple[float, ...]:
         return (time.perf_counter(), time.thread_time(), *counter.read())
 
-    def sequential_us() -> float:
-        baseline = baselines.sequential(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
-        return float(baseline["us_per_step"])
+    async def baselines_us() -> tuple[float, float]:
+        by_hand = baselines.sequential(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
+        handed_out = await baselines.handoff_floor(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
+        return float(by_hand["us_per_step"]), float(handed_out["us_per_step"])
 
-    sequential = [sequential_us()]
+    by_hand, handed_out = await baselines_us()
+    sequential, handoff = [by_hand], [handed_out]
     for _ in range(repeats):
         # Whatever the baseline left cold (allocator, caches) is paid here, not by the short fit alone.
         await engine.fit(model, make_tiny_batches(20), optimizer=sgd, loss_fn=tiny_loss)
@@ -276,13 +280,19 @@ async def gsync_control_plane(
             per_step[key].append(((c - b) - (b - a)) / extra_steps)
         fixed.append((s1[0] - s0[0]) - short_steps * per_step["wall"][-1])
         stats = result.stats
-        sequential.append(sequential_us())
+        by_hand, handed_out = await baselines_us()
+        sequential.append(by_hand)
+        handoff.append(handed_out)
     win = window.stop()
-    assert stats is not None
+    if stats is None:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     mid = {key: median(values) for key, values in per_step.items()}
     walls_us = [s * 1e6 for s in per_step["wall"]]
     around = [(before + after) / 2 for before, after in zip(sequential, sequential[1:])]
     paired = [wall / baseline for wall, baseline in zip(walls_us, around)]
+    handoff_around = [(before + after) / 2 for before, after in zip(handoff, handoff[1:])]
+    over_handoff = [wall / baseline for wall, baseline in zip(walls_us, handoff_around)]
+    handoff_over_sequential = [h / s for h, s in zip(handoff_around, around)]
     return {
         "window": win,
         "us_per_step": mid["wall"] * 1e6,
@@ -292,6 +302,11 @@ async def gsync_control_plane(
         "ratio_to_sequential": median(paired),
         "all_ratios_to_sequential": paired,
         "minus_sequential_us_per_step": median([wall - baseline for wall, baseline in zip(walls_us, around)]),
+        "handoff_us_per_step": median(handoff),
+        "all_handoff_us_per_step": handoff,
+        "ratio_to_handoff": median(over_handoff),
+        "all_ratios_to_handoff": over_handoff,
+        "handoff_ratio_to_sequential": median(handoff_over_sequential),
         "loop_cpu_us_per_step": mid["loop_cpu"] * 1e6,
         "thread_posts_per_step": mid["posts"],
         "loop_iterations_per_step": mid["polls"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 from typing import Any
 
 from .common import noisy_mark
@@ -14,6 +15,14 @@ def _fmt(value: float | None, spec: str = ".1f", missing: str = "-") -> str:
     if value is None or value != value:  # None or NaN
         return missing
     return format(value, spec)
+
+
+def _spread(values: list[float]) -> str:
+    """The middle half of per-repeat values (their quartiles), e.g. ``1.08-1.21``; one value as it is."""
+    if len(values) < 2:
+        return " ".join(f"{value:.2f}" for value in values)
+    low, _, high = statistics.quantiles(values, n=4)
+    return f"{low:.2f}-{high:.2f}"
 
 
 def print_header(results: dict[str, Any]) -> None:
@@ -126,26 +135,28 @@ def print_control(control: dict[str, Any]) -> None:
     default, per_param = control["gsync_default_buckets"], control["gsync_per_param_buckets"]
     threads = control.get("threads_no_sync")
     print("\n== 2. control-plane cost: 100 x Linear(8,8) (200 parameter tensors), batch 16 ==")
-    print("  sequential: the 2 replicas' work by hand in one plain thread (fwd/bwd each, grads averaged by hand,\n"
-          "  2 optimizer steps), measured in gsync's process before and after each of its repeats")
+    print("  seq: the 2 replicas' work by hand in one plain thread (fwd/bwd each, grads averaged by hand, 2 optimizer\n"
+          "  steps); handoff: the same work as jobs an asyncio loop hands to two plain threads, as gsync does, with\n"
+          "  nothing else (the design's floor). Both run in gsync's process before and after each of its repeats")
     if threads is not None:
         floor_us = threads["step"]["median_ms"] * 1e3
         print(f"  2 threads, one replica each, no sync at all (floor; barrier per step): "
               f"{floor_us:.0f} us/step (other load {_fmt(threads.get('other_load_cores'), '.2f')})")
-    print(f"  {'gsync 2 x cpu':28} {'us/step':>8} {'sequential':>10} {'gsync/seq':>9} {'paired ratios':>20} "
-          f"{'minus seq':>9} {'minus floor':>11} {'loop CPU us':>11} {'msgs/step':>9} {'dev x buckets':>13} "
-          f"{'fixed ms/fit':>12} {'other load':>10}")
+    print(f"  {'gsync 2 x cpu':25} {'us/step':>8} {'seq':>6} {'gsync/seq':>9} {'middle half':>11} {'handoff/seq':>11} "
+          f"{'gsync/handoff':>13} {'minus seq':>9} {'minus floor':>11} {'loop CPU us':>11} {'msgs/step':>9} "
+          f"{'dev x buckets':>13} {'fixed ms/fit':>12} {'other load':>10}")
     rows = []
     for name, r in (("default buckets", default), ("one bucket per parameter", per_param)):
         if r is None:
             continue
         extra = r["minus_sequential_us_per_step"]
         rows.append((r, extra))
-        paired = " ".join(f"{ratio:.2f}" for ratio in r["all_ratios_to_sequential"])
         # The floor ran in its own process: this difference is only as good as the machine's drift allows.
         over_floor = r["us_per_step"] - threads["step"]["median_ms"] * 1e3 if threads is not None else None
-        print(f"  {name:28} {r['us_per_step']:7.0f}{noisy_mark(r)} {r['sequential_us_per_step']:10.0f} "
-              f"{r['ratio_to_sequential']:9.2f} {paired:>20} {extra:9.0f} {_fmt(over_floor, '.0f'):>11} "
+        print(f"  {name:25} {r['us_per_step']:7.0f}{noisy_mark(r)} {r['sequential_us_per_step']:6.0f} "
+              f"{r['ratio_to_sequential']:9.2f} {_spread(r['all_ratios_to_sequential']):>11} "
+              f"{_fmt(r.get('handoff_ratio_to_sequential'), '.2f'):>11} {_fmt(r.get('ratio_to_handoff'), '.2f'):>13} "
+              f"{extra:9.0f} {_fmt(over_floor, '.0f'):>11} "
               f"{_fmt(r.get('loop_cpu_us_per_step'), '.0f'):>11} {r['messages_per_step']:9.0f} "
               f"{r['devices']} x {r['buckets']:<9} {r['fixed_ms_per_fit']:12.1f} {_fmt(r.get('other_load_cores'), '.2f'):>10}")
     if len(rows) == 2 and rows[1][0]["buckets"] != rows[0][0]["buckets"]:
@@ -153,9 +164,11 @@ def print_control(control: dict[str, Any]) -> None:
         per_bucket = (eb - ea) / (b["buckets"] - a["buckets"])
         print(f"  => each extra bucket costs ~{per_bucket:.0f} us/step "
               f"({per_bucket / a['devices']:.0f} us per BucketReady message, incl. its share of the reduction launch)")
-    print("  (gsync/seq, minus seq: medians over repeats of each repeat against the mean of the baselines around it;\n"
-          "   loop CPU = CPU time of the event-loop thread per step; in one process it holds the GIL the device\n"
-          "   threads need, so it adds to the step time almost one for one)")
+    print("  (ratios and minus seq: medians over repeats of each repeat against the mean of a baseline's runs around\n"
+          "   it; middle half: the quartiles of gsync/seq over repeats. gsync/handoff is what gsync's own machinery\n"
+          "   (messages, mailboxes, buckets, timeouts) costs; handoff/seq what the design's hand-offs cost. loop CPU =\n"
+          "   CPU time of the event-loop thread per step; in one process it holds the GIL the device threads need,\n"
+          "   so it adds to the step time almost one for one)")
 
 
 CONTROL8_TARGETS = {"gsync8 / sequential (one bucket)": 1.5, "loop CPU us per BucketReady": 20.0}
@@ -203,20 +216,22 @@ def print_control8(control8: dict[str, Any]) -> None:
     params = next((r["params"] for _, r in rows if r is not None), None)
     print(f"\n== 2b. control plane at 8 devices: {_fmt(params, 'd')} parameter tensors (Linear(8,8)), batch 16 ==")
     print("  seq: the 8 replicas' work by hand in one plain thread (fwd/bwd each, grads averaged by hand, 8 optimizer\n"
-          "  steps), measured in each gsync row's process before and after each of its repeats")
+          "  steps); handoff: the same jobs handed out by an asyncio loop to two plain threads (the design's floor);\n"
+          "  both measured in each gsync row's process before and after each of its repeats")
     threads = control8.get("threads")
     if threads is not None:
         print(f"  8 plain threads, one replica each, no synchronization at all (the cost of a thread per device): "
               f"{threads['step']['median_ms']:.2f} ms/step{noisy_mark(threads)} "
               f"(other load {_fmt(threads.get('other_load_cores'), '.2f')})")
-    print(f"  {'gsync 8 x cpu':25} {'ms/step':>8} {'seq ms':>6} {'vs seq':>6} {'paired ratios':>15} {'loop CPU ms':>11} "
+    print(f"  {'gsync 8 x cpu':25} {'ms/step':>8} {'seq ms':>6} {'vs seq':>6} {'middle half':>11} {'handoff/seq':>11} "
+          f"{'gsync/handoff':>13} {'loop CPU ms':>11} "
           f"{'buckets':>7} {'BucketReady':>11} {'thread posts':>12} {'loop iters':>10} {'wake-ups':>8} {'other load':>10}")
     for name, r in rows:
         if r is None:
             continue
-        paired = " ".join(f"{ratio:.2f}" for ratio in r["all_ratios_to_sequential"])
         print(f"  {name:25} {r['us_per_step'] / 1e3:7.2f}{noisy_mark(r)} {r['sequential_us_per_step'] / 1e3:6.2f} "
-              f"{r['ratio_to_sequential']:6.2f} {paired:>15} "
+              f"{r['ratio_to_sequential']:6.2f} {_spread(r['all_ratios_to_sequential']):>11} "
+              f"{_fmt(r.get('handoff_ratio_to_sequential'), '.2f'):>11} {_fmt(r.get('ratio_to_handoff'), '.2f'):>13} "
               f"{r['loop_cpu_us_per_step'] / 1e3:11.2f} {r['buckets']:7d} {r['messages_per_step']:11.0f} "
               f"{r['thread_posts_per_step']:12.0f} {r['loop_iterations_per_step']:10.0f} {r['loop_wakeups_per_step']:8.0f} "
               f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")

@@ -74,6 +74,7 @@ class Plan:
     per_param_long: int
     control8_short: int
     control8_long: int
+    control8_repeats: int
     tiny_floor_steps: int
     timeout: float
     retries: int  # reruns of one noisy measurement
@@ -83,10 +84,14 @@ class Plan:
 
 
 QUICK = Plan(repeats=1, steps=10, warmup=3, sweep_steps=6, sweep_warmup=2, control_short=30, control_long=150,
-             control_repeats=2, per_param_short=8, per_param_long=32, control8_short=10, control8_long=40, tiny_floor_steps=100, timeout=120,
+             control_repeats=2, per_param_short=8, per_param_long=32, control8_short=10, control8_long=40, control8_repeats=2,
+             tiny_floor_steps=100, timeout=120,
              retries=1, retry_budget=3, quiet_wait_budget_s=20, patience_until_s=80)
-FULL = Plan(repeats=3, steps=30, warmup=5, sweep_steps=20, sweep_warmup=3, control_short=100, control_long=600,
-            control_repeats=3, per_param_short=20, per_param_long=100, control8_short=40, control8_long=200, tiny_floor_steps=600, timeout=300,
+# The 2-device control rows pair many short repeats with their baselines: this machine's speed moves by a
+# third between runs seconds apart, which long repeats average into the pairing instead of cancelling.
+FULL = Plan(repeats=3, steps=30, warmup=5, sweep_steps=20, sweep_warmup=3, control_short=30, control_long=180,
+            control_repeats=9, per_param_short=20, per_param_long=100, control8_short=40, control8_long=200,
+            control8_repeats=3, tiny_floor_steps=600, timeout=300,
             retries=2, retry_budget=12, quiet_wait_budget_s=90, patience_until_s=330)
 
 # Step-section configurations: (key, label, how to run it).
@@ -300,7 +305,7 @@ def section_control8(runner: Runner) -> dict[str, Any]:
     against the same 8 replicas' work done sequentially in one plain thread, and in 8 plain threads
     with no synchronization at all (what one thread per device costs before gsync does anything)."""
     plan = runner.plan
-    common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control_repeats}
+    common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control8_repeats}
     # Each gsync row carries its own sequential baseline, measured between its repeats.
     out = {
         "threads": runner.task(
