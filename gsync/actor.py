@@ -112,6 +112,8 @@ class DeviceActor:
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
+        # Set by a post of this job that lets the server act: it is woken when the job ends.
+        self._wake_server = False
         self._adopt_plan()  # sets plan, grads, the in-place flags, readiness and the hooks
 
     @property
@@ -153,7 +155,7 @@ class DeviceActor:
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
-                self._post_ready(bucket)
+                self._post_ready(bucket, in_hook=True)
 
         return on_grad_ready
 
@@ -176,14 +178,24 @@ class DeviceActor:
             return False
         return self._context.alone or owns_its_memory(grad)
 
-    def _post_ready(self, bucket: int, unused: tuple[int, ...] = ()) -> None:
-        """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes)."""
+    def _post_ready(self, bucket: int, unused: tuple[int, ...] = (), in_hook: bool = False) -> None:
+        """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes).
+
+        Only the post that completes the bucket on every device wakes the
+        server; the rest ride along. From a gradient hook it wakes the
+        server at once, so the bucket's reduction overlaps the rest of
+        backward. After backward has returned there is nothing left to
+        overlap: the wake-up waits for the end of the job (see
+        :meth:`_forward_backward`).
+        """
         context = self._context
         context.streams.mark_ready(self.index, bucket)
-        # Only the post that completes the bucket on every device wakes the server; the rest ride along.
         context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused), wake=False)
         if context.arrivals.completes(bucket):
-            context.server.wake()
+            if in_hook:
+                context.server.wake()
+            else:
+                self._wake_server = True
 
     def _install_hooks(self) -> None:
         """A readiness hook on every parameter, except the last bucket's once the bucket plan is final.
@@ -303,7 +315,22 @@ class DeviceActor:
         return torch.autocast(self.spec.torch_device.type, dtype=dtype)
 
     def _forward_backward(self, shard: Shard) -> None:
-        """Forward and backward of every batch of the step; only the last backward posts buckets."""
+        """Forward and backward of every batch of the step; only the last backward posts buckets.
+
+        What the job posts once backward has returned (the last bucket, the
+        unused ones, ``ForwardDone``) wakes the server once, as the job ends:
+        on the loop that wake-up and the job's own report then usually ride
+        on one, where each post waking it would take the GIL from this
+        thread in the middle of the job's last lines.
+        """
+        self._wake_server = False
+        try:
+            self._run_batches(shard)
+        finally:
+            if self._wake_server:
+                self._context.server.wake()
+
+    def _run_batches(self, shard: Shard) -> None:
         self.step = shard.step
         with self._enter("data"):
             parts = [move_batch(data, self.spec.torch_device) for data in shard.data]
@@ -365,7 +392,7 @@ class DeviceActor:
         # As with buckets, only the last device's losses let the server finish the step: the rest ride along.
         context.server.post_threadsafe(ForwardDone(self.index, self.step, loss_share, skip), wake=False)
         if context.arrivals.completes_losses():
-            context.server.wake()
+            self._wake_server = True
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"
