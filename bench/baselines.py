@@ -235,17 +235,39 @@ def ddp_rank(rank: int, world_size: int, port: int, steps: int, warmup: int, thr
     }
 
 
+class _TinyReplicas:
+    """``replicas`` copies of the tiny model with their optimizers, and the work of one gsync step on them in
+    the pieces gsync runs it in: one replica's forward, backward and loss read; the gradients' average."""
+
+    def __init__(self, replicas: int, layers: int) -> None:
+        model = make_tiny(layers)
+        self.copies = [copy.deepcopy(model) for _ in range(replicas)]
+        self.optimizers = [sgd(r.parameters()) for r in self.copies]
+        self.params = [list(r.parameters()) for r in self.copies]
+
+    def forward_backward(self, index: int, batch: Any) -> None:
+        self.optimizers[index].zero_grad()
+        loss = tiny_loss(self.copies[index], shard(batch, len(self.copies), index))
+        loss.backward()
+        loss.item()
+
+    def average(self) -> None:
+        grads = [[p.grad for p in ps] for ps in self.params]
+        for other in grads[1:]:
+            torch._foreach_add_(grads[0], other)
+        torch._foreach_mul_(grads[0], 1.0 / len(grads))
+        for other in grads[1:]:
+            torch._foreach_copy_(other, grads[0])
+
+
 def sequential(steps: int, warmup: int, repeats: int = 1, replicas: int = 2, layers: int = TINY_LAYERS) -> dict[str, Any]:
     """Control-plane baseline: the work of a ``replicas``-device gsync step done by hand in one plain thread.
 
     ``replicas`` replicas of the tiny model (``layers`` x Linear(8, 8)), forward/backward each on its
     shard, gradients averaged by hand (foreach ops), every optimizer stepped, every loss read.
     """
-    model = make_tiny(layers)
-    copies = [copy.deepcopy(model) for _ in range(replicas)]
-    optimizers = [sgd(r.parameters()) for r in copies]
+    work = _TinyReplicas(replicas, layers)
     batches = make_tiny_batches(warmup + steps)
-    params = [list(r.parameters()) for r in copies]
     per_step: list[float] = []
     window = Window()
     for _ in range(repeats):
@@ -253,39 +275,45 @@ def sequential(steps: int, warmup: int, repeats: int = 1, replicas: int = 2, lay
         for i, batch in enumerate(batches):
             if i == warmup:
                 start = time.perf_counter()
-            for index, (replica, optimizer) in enumerate(zip(copies, optimizers)):
-                optimizer.zero_grad()
-                loss = tiny_loss(replica, shard(batch, replicas, index))
-                loss.backward()
-                loss.item()
-            grads = [[p.grad for p in ps] for ps in params]
-            for other in grads[1:]:
-                torch._foreach_add_(grads[0], other)
-            torch._foreach_mul_(grads[0], 1.0 / replicas)
-            for other in grads[1:]:
-                torch._foreach_copy_(other, grads[0])
-            for optimizer in optimizers:
+            for index in range(replicas):
+                work.forward_backward(index, batch)
+            work.average()
+            for optimizer in work.optimizers:
                 optimizer.step()
         per_step.append((time.perf_counter() - start) / steps)
     win = window.stop()
     per_step.sort()
     return {"window": win, "us_per_step": per_step[len(per_step) // 2] * 1e6, "all_us_per_step": [s * 1e6 for s in per_step],
-            "params": len(params[0]), "replicas": replicas}
+            "params": len(work.params[0]), "replicas": replicas}
 
 
 class _JobThread:
-    """A plain OS thread running jobs one at a time for an asyncio loop; each result comes back on a future."""
+    """A plain OS thread running jobs one at a time for an asyncio loop, each result (or error) set on a future.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    Jobs that run back to back report together when the thread runs out of jobs, one loop wake-up per burst,
+    as gsync's shared device thread does: without that, this floor would pay wake-ups gsync does not.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str) -> None:
         self._loop = loop
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
-        while (item := self._jobs.get()) is not None:
+        done: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        while True:
+            if done and self._jobs.empty():
+                self._loop.call_soon_threadsafe(_settle, done)
+                done = []
+            item = self._jobs.get()
+            if item is None:
+                return
             job, future = item
-            self._loop.call_soon_threadsafe(future.set_result, job())
+            try:
+                done.append((future, job(), None))
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting task
+                done.append((future, None, error))
 
     def run(self, job: Any) -> asyncio.Future[Any]:
         future = self._loop.create_future()
@@ -297,49 +325,42 @@ class _JobThread:
         self._thread.join()
 
 
+def _settle(done: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, value, error in done:
+        if error is None:
+            future.set_result(value)
+        else:
+            future.set_exception(error)
+
+
 async def handoff_floor(steps: int, warmup: int, replicas: int = 2, layers: int = TINY_LAYERS) -> dict[str, Any]:
-    """Control-plane floor of gsync's architecture: :func:`sequential`'s work, split into the jobs gsync runs and
+    """Control-plane floor of gsync's design: :func:`sequential`'s work, split into the jobs gsync runs and
     handed out by an asyncio loop, with nothing else (no messages, mailboxes, buckets or timeouts).
 
     Per step: each replica's forward, backward and loss read as one job on a worker thread the replicas share
     (gsync's default on CPU), the gradient averaging as one job on a second thread (gsync's communication
     thread), then each replica's optimizer step as one job on the worker thread; each phase's jobs are awaited
     together. What gsync costs over this is its own machinery; what this costs over :func:`sequential` is the
-    design's (thread hand-offs, loop wake-ups, the GIL shared with the loop).
+    design's (thread hand-offs, loop wake-ups, the GIL shared with the loop). Also returns the loop thread's
+    CPU time per step.
     """
     loop = asyncio.get_running_loop()
-    model = make_tiny(layers)
-    copies = [copy.deepcopy(model) for _ in range(replicas)]
-    optimizers = [sgd(r.parameters()) for r in copies]
+    work = _TinyReplicas(replicas, layers)
     batches = make_tiny_batches(warmup + steps)
-    params = [list(r.parameters()) for r in copies]
-    device, comm = _JobThread(loop), _JobThread(loop)
-
-    def forward_backward(index: int, batch: Any) -> None:
-        optimizers[index].zero_grad()
-        loss = tiny_loss(copies[index], shard(batch, replicas, index))
-        loss.backward()
-        loss.item()
-
-    def average() -> None:
-        grads = [[p.grad for p in ps] for ps in params]
-        for other in grads[1:]:
-            torch._foreach_add_(grads[0], other)
-        torch._foreach_mul_(grads[0], 1.0 / replicas)
-        for other in grads[1:]:
-            torch._foreach_copy_(other, grads[0])
-
+    device, comm = _JobThread(loop, "handoff-device"), _JobThread(loop, "handoff-comm")
     window = Window()
-    start = 0.0
+    start = loop_cpu = 0.0
     try:
         for i, batch in enumerate(batches):
             if i == warmup:
-                start = time.perf_counter()
-            await asyncio.gather(*(device.run(functools.partial(forward_backward, r, batch)) for r in range(replicas)))
-            await comm.run(average)
-            await asyncio.gather(*(device.run(optimizer.step) for optimizer in optimizers))
+                start, loop_cpu = time.perf_counter(), time.thread_time()
+            await asyncio.gather(*(device.run(functools.partial(work.forward_backward, r, batch)) for r in range(replicas)))
+            await comm.run(work.average)
+            await asyncio.gather(*(device.run(optimizer.step) for optimizer in work.optimizers))
         us_per_step = (time.perf_counter() - start) / steps * 1e6
+        loop_cpu_us_per_step = (time.thread_time() - loop_cpu) / steps * 1e6
     finally:
         device.stop()
         comm.stop()
-    return {"window": window.stop(), "us_per_step": us_per_step, "params": len(params[0]), "replicas": replicas}
+    return {"window": window.stop(), "us_per_step": us_per_step, "loop_cpu_us_per_step": loop_cpu_us_per_step,
+            "params": len(work.params[0]), "replicas": replicas}

@@ -226,7 +226,8 @@ async def gsync_control_plane(
     device_threads: str = "auto",
 ) -> dict[str, Any]:
     """Time per step of gsync on the tiny model (``layers`` x Linear(8, 8)), without trace, against
-    the same replicas' work done sequentially in one plain thread, measured between gsync's repeats.
+    the same replicas' work done sequentially in one plain thread and handed out by a loop to threads
+    (the design's floor), both measured between gsync's repeats.
 
     Per-step figures = (long fit - short fit) / (long - short), so the fixed cost of a fit
     (replicas, threads, teardown) cancels; the median over ``repeats`` pairs is kept. Taken
@@ -244,6 +245,8 @@ async def gsync_control_plane(
     are medians over repeats. The machine's speed drifts by tens of percent over minutes; a
     baseline measured in another process minutes away compares with gsync no better than that.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
     counter = _LoopCounter()
     model = make_tiny(layers)
     cap, first = (25.0, 1.0) if bucket_mb is None else (bucket_mb, bucket_mb)
@@ -254,21 +257,34 @@ async def gsync_control_plane(
     short_data, long_data = make_tiny_batches(short_steps), make_tiny_batches(long_steps)
     per_step: dict[str, list[float]] = {"wall": [], "loop_cpu": [], "posts": [], "polls": [], "wakeups": []}
     fixed: list[float] = []
-    stats = None
+    stats: Any = None
     window = Window()
     extra_steps = long_steps - short_steps
 
     def sample() -> tuple[float, ...]:
         return (time.perf_counter(), time.thread_time(), *counter.read())
 
-    async def baselines_us() -> tuple[float, float]:
-        by_hand = baselines.sequential(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
-        handed_out = await baselines.handoff_floor(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
-        return float(by_hand["us_per_step"]), float(handed_out["us_per_step"])
+    handoff_loop_cpu: list[float] = []
 
-    by_hand, handed_out = await baselines_us()
+    async def baselines_us(handoff_first: bool) -> tuple[float, float]:
+        """Both baselines' us/step; which runs first alternates, so that over the repeats neither sits
+        systematically earlier than gsync's runs (the machine drifts)."""
+
+        async def handed_out() -> float:
+            result = await baselines.handoff_floor(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
+            handoff_loop_cpu.append(result["loop_cpu_us_per_step"])
+            return float(result["us_per_step"])
+
+        if handoff_first:
+            handoff_us = await handed_out()
+        by_hand = float(baselines.sequential(steps=extra_steps, warmup=10, replicas=devices, layers=layers)["us_per_step"])
+        if not handoff_first:
+            handoff_us = await handed_out()
+        return by_hand, handoff_us
+
+    by_hand, handed_out = await baselines_us(handoff_first=False)
     sequential, handoff = [by_hand], [handed_out]
-    for _ in range(repeats):
+    for repeat in range(repeats):
         # Whatever the baseline left cold (allocator, caches) is paid here, not by the short fit alone.
         await engine.fit(model, make_tiny_batches(20), optimizer=sgd, loss_fn=tiny_loss)
         s0 = sample()
@@ -280,12 +296,10 @@ async def gsync_control_plane(
             per_step[key].append(((c - b) - (b - a)) / extra_steps)
         fixed.append((s1[0] - s0[0]) - short_steps * per_step["wall"][-1])
         stats = result.stats
-        by_hand, handed_out = await baselines_us()
+        by_hand, handed_out = await baselines_us(handoff_first=repeat % 2 == 0)
         sequential.append(by_hand)
         handoff.append(handed_out)
     win = window.stop()
-    if stats is None:
-        raise ValueError(f"repeats must be at least 1, got {repeats}")
     mid = {key: median(values) for key, values in per_step.items()}
     walls_us = [s * 1e6 for s in per_step["wall"]]
     around = [(before + after) / 2 for before, after in zip(sequential, sequential[1:])]
@@ -306,7 +320,9 @@ async def gsync_control_plane(
         "all_handoff_us_per_step": handoff,
         "ratio_to_handoff": median(over_handoff),
         "all_ratios_to_handoff": over_handoff,
+        "all_handoff_ratios_to_sequential": handoff_over_sequential,
         "handoff_ratio_to_sequential": median(handoff_over_sequential),
+        "handoff_loop_cpu_us_per_step": median(handoff_loop_cpu),
         "loop_cpu_us_per_step": mid["loop_cpu"] * 1e6,
         "thread_posts_per_step": mid["posts"],
         "loop_iterations_per_step": mid["polls"],

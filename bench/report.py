@@ -18,10 +18,13 @@ def _fmt(value: float | None, spec: str = ".1f", missing: str = "-") -> str:
 
 
 def _spread(values: list[float]) -> str:
-    """The middle half of per-repeat values (their quartiles), e.g. ``1.08-1.21``; one value as it is."""
+    """How per-repeat values spread: the quartiles of five or more (the middle half), else the least and the
+    greatest, e.g. ``1.08-1.21``."""
     if len(values) < 2:
         return " ".join(f"{value:.2f}" for value in values)
-    low, _, high = statistics.quantiles(values, n=4)
+    if len(values) < 5:
+        return f"{min(values):.2f}-{max(values):.2f}"
+    low, _, high = statistics.quantiles(values, n=4, method="inclusive")
     return f"{low:.2f}-{high:.2f}"
 
 
@@ -142,8 +145,8 @@ def print_control(control: dict[str, Any]) -> None:
         floor_us = threads["step"]["median_ms"] * 1e3
         print(f"  2 threads, one replica each, no sync at all (floor; barrier per step): "
               f"{floor_us:.0f} us/step (other load {_fmt(threads.get('other_load_cores'), '.2f')})")
-    print(f"  {'gsync 2 x cpu':25} {'us/step':>8} {'seq':>6} {'gsync/seq':>9} {'middle half':>11} {'handoff/seq':>11} "
-          f"{'gsync/handoff':>13} {'minus seq':>9} {'minus floor':>11} {'loop CPU us':>11} {'msgs/step':>9} "
+    print(f"  {'gsync 2 x cpu':25} {'us/step':>8} {'seq':>6} {'gsync/seq':>9} {'spread':>11} {'handoff/seq':>11} "
+          f"{'gsync/handoff':>13} {'minus seq':>9} {'minus floor':>11} {'loop CPU us':>11} {'handoff loop':>12} {'msgs/step':>9} "
           f"{'dev x buckets':>13} {'fixed ms/fit':>12} {'other load':>10}")
     rows = []
     for name, r in (("default buckets", default), ("one bucket per parameter", per_param)):
@@ -157,7 +160,8 @@ def print_control(control: dict[str, Any]) -> None:
               f"{r['ratio_to_sequential']:9.2f} {_spread(r['all_ratios_to_sequential']):>11} "
               f"{_fmt(r.get('handoff_ratio_to_sequential'), '.2f'):>11} {_fmt(r.get('ratio_to_handoff'), '.2f'):>13} "
               f"{extra:9.0f} {_fmt(over_floor, '.0f'):>11} "
-              f"{_fmt(r.get('loop_cpu_us_per_step'), '.0f'):>11} {r['messages_per_step']:9.0f} "
+              f"{_fmt(r.get('loop_cpu_us_per_step'), '.0f'):>11} {_fmt(r.get('handoff_loop_cpu_us_per_step'), '.0f'):>12} "
+              f"{r['messages_per_step']:9.0f} "
               f"{r['devices']} x {r['buckets']:<9} {r['fixed_ms_per_fit']:12.1f} {_fmt(r.get('other_load_cores'), '.2f'):>10}")
     if len(rows) == 2 and rows[1][0]["buckets"] != rows[0][0]["buckets"]:
         (a, ea), (b, eb) = rows
@@ -165,10 +169,11 @@ def print_control(control: dict[str, Any]) -> None:
         print(f"  => each extra bucket costs ~{per_bucket:.0f} us/step "
               f"({per_bucket / a['devices']:.0f} us per BucketReady message, incl. its share of the reduction launch)")
     print("  (ratios and minus seq: medians over repeats of each repeat against the mean of a baseline's runs around\n"
-          "   it; middle half: the quartiles of gsync/seq over repeats. gsync/handoff is what gsync's own machinery\n"
-          "   (messages, mailboxes, buckets, timeouts) costs; handoff/seq what the design's hand-offs cost. loop CPU =\n"
-          "   CPU time of the event-loop thread per step; in one process it holds the GIL the device threads need,\n"
-          "   so it adds to the step time almost one for one)")
+          "   it; spread: the quartiles of gsync/seq over repeats, or the least and greatest of fewer than 5.\n"
+          "   gsync/handoff is what gsync's own machinery (messages, mailboxes, buckets, timeouts) costs; handoff/seq\n"
+          "   what the design's hand-offs cost. loop CPU = CPU time of the event-loop thread per step (handoff loop:\n"
+          "   the floor's); in one process it holds the GIL the device threads need, so it adds to the step time\n"
+          "   almost one for one)")
 
 
 CONTROL8_TARGETS = {"gsync8 / sequential (one bucket)": 1.5, "loop CPU us per BucketReady": 20.0}
@@ -223,7 +228,7 @@ def print_control8(control8: dict[str, Any]) -> None:
         print(f"  8 plain threads, one replica each, no synchronization at all (the cost of a thread per device): "
               f"{threads['step']['median_ms']:.2f} ms/step{noisy_mark(threads)} "
               f"(other load {_fmt(threads.get('other_load_cores'), '.2f')})")
-    print(f"  {'gsync 8 x cpu':25} {'ms/step':>8} {'seq ms':>6} {'vs seq':>6} {'middle half':>11} {'handoff/seq':>11} "
+    print(f"  {'gsync 8 x cpu':25} {'ms/step':>8} {'seq ms':>6} {'vs seq':>6} {'spread':>11} {'handoff/seq':>11} "
           f"{'gsync/handoff':>13} {'loop CPU ms':>11} "
           f"{'buckets':>7} {'BucketReady':>11} {'thread posts':>12} {'loop iters':>10} {'wake-ups':>8} {'other load':>10}")
     for name, r in rows:
@@ -239,7 +244,8 @@ def print_control8(control8: dict[str, Any]) -> None:
         target = CONTROL8_TARGETS.get(name)
         verdict = "" if target is None else f"   (target <= {target:g}: {'met' if value <= target else 'MISSED'})"
         print(f"  {name:40} {value:8.2f}{verdict}")
-    print("  (per step, from a long fit minus a short one. loop CPU: the event-loop thread's CPU time; thread posts:\n"
+    print("  (per step, from a long fit minus a short one; spread: of the repeats' ratios to seq, as in section 2.\n"
+          "   loop CPU: the event-loop thread's CPU time; thread posts:\n"
           "   callbacks gsync's threads scheduled on the loop; loop iters: selector polls; wake-ups: polls that could\n"
           "   block, i.e. the loop slept and a thread or timer woke it. Target: wake-ups O(buckets), not O(devices x buckets))")
 

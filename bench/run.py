@@ -279,7 +279,7 @@ def section_memory(runner: Runner, step: dict[str, Any] | None) -> dict[str, Any
 
 def section_control(runner: Runner) -> dict[str, Any]:
     plan = runner.plan
-    # Each gsync row carries its own sequential baseline, measured between its repeats.
+    # Each gsync row carries its own baselines (sequential, and the design's floor), measured between its repeats.
     threads = runner.task(
         "control: 2 threads, one replica each, no sync (tiny floor)", "floor",
         steps=plan.tiny_floor_steps, warmup=20, threads_per_replica=1, workload="tiny",
@@ -302,11 +302,12 @@ CONTROL8_LAYERS = 50  # x Linear(8, 8): 100 parameter tensors
 
 def section_control8(runner: Runner) -> dict[str, Any]:
     """gsync on 8 virtual CPU devices, the tiny model of 100 tensors, one bucket and one bucket per tensor,
-    against the same 8 replicas' work done sequentially in one plain thread, and in 8 plain threads
-    with no synchronization at all (what one thread per device costs before gsync does anything)."""
+    against the same 8 replicas' work done sequentially in one plain thread, handed out by a loop to threads
+    (the design's floor), and in 8 plain threads with no synchronization at all (what one thread per device
+    costs before gsync does anything)."""
     plan = runner.plan
     common = {"devices": CONTROL8_DEVICES, "layers": CONTROL8_LAYERS, "repeats": plan.control8_repeats}
-    # Each gsync row carries its own sequential baseline, measured between its repeats.
+    # Each gsync row carries its own baselines (sequential, and the design's floor), measured between its repeats.
     out = {
         "threads": runner.task(
             f"control8: {CONTROL8_DEVICES} plain threads, one replica each, no sync", "floor",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
 
 import torch
@@ -112,8 +112,13 @@ class DeviceActor:
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
-        # Set by a post of this job that lets the server act: it is woken when the job ends.
+        # Set by a post of this job that lets the server act, which wakes it when the job ends (see
+        # _post_ready). Only the worker thread writes it (hooks, which may run in autograd's thread, wake the
+        # server themselves), and only between its own jobs' start and end: no lock.
         self._wake_server = False
+        # The device runs kernels behind the host (an accelerator): a reduction launched early can still
+        # overlap its queued work.
+        self._queues_work = spec.torch_device.type != "cpu"
         self._adopt_plan()  # sets plan, grads, the in-place flags, readiness and the hooks
 
     @property
@@ -155,7 +160,7 @@ class DeviceActor:
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
-                self._post_ready(bucket, in_hook=True)
+                self._post_ready(bucket, during_backward=True)
 
         return on_grad_ready
 
@@ -178,21 +183,22 @@ class DeviceActor:
             return False
         return self._context.alone or owns_its_memory(grad)
 
-    def _post_ready(self, bucket: int, unused: tuple[int, ...] = (), in_hook: bool = False) -> None:
+    def _post_ready(self, bucket: int, unused: tuple[int, ...] = (), during_backward: bool = False) -> None:
         """Tell the sync server ``bucket`` is final on this device (after ordering it behind its writes).
 
         Only the post that completes the bucket on every device wakes the
-        server; the rest ride along. From a gradient hook it wakes the
-        server at once, so the bucket's reduction overlaps the rest of
-        backward. After backward has returned there is nothing left to
-        overlap: the wake-up waits for the end of the job (see
-        :meth:`_forward_backward`).
+        server; the rest ride along. It wakes the server at once from a
+        gradient hook, so the bucket's reduction overlaps the rest of
+        backward, and on an accelerator, whose queue may still be running
+        backward when the host is done with it. On CPU, once backward has
+        returned, nothing is left to overlap: the wake-up waits for the end
+        of the job (see :meth:`_forward_backward`).
         """
         context = self._context
         context.streams.mark_ready(self.index, bucket)
         context.server.post_threadsafe(BucketReady(self.index, self.step, bucket, unused), wake=False)
         if context.arrivals.completes(bucket):
-            if in_hook:
+            if during_backward or self._queues_work:
                 context.server.wake()
             else:
                 self._wake_server = True
@@ -317,18 +323,25 @@ class DeviceActor:
     def _forward_backward(self, shard: Shard) -> None:
         """Forward and backward of every batch of the step; only the last backward posts buckets.
 
-        What the job posts once backward has returned (the last bucket, the
-        unused ones, ``ForwardDone``) wakes the server once, as the job ends:
-        on the loop that wake-up and the job's own report then usually ride
-        on one, where each post waking it would take the GIL from this
-        thread in the middle of the job's last lines.
+        What the job posts once backward has returned (on CPU the last
+        bucket and the unused buckets; ``ForwardDone`` on every device) wakes
+        the server once, as the job ends: that wake-up and the job's own
+        report then usually ride on one, where each post waking the loop
+        would have it take the GIL from this thread in the middle of the
+        job's last lines.
         """
         self._wake_server = False
         try:
             self._run_batches(shard)
-        finally:
+        except BaseException:
             if self._wake_server:
-                self._context.server.wake()
+                # The server still gets what was posted; if the session is already gone,
+                # the job's own error is the one to report.
+                with suppress(MailboxClosed):
+                    self._context.server.wake()
+            raise
+        if self._wake_server:
+            self._context.server.wake()
 
     def _run_batches(self, shard: Shard) -> None:
         self.step = shard.step
