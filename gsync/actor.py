@@ -112,9 +112,9 @@ class DeviceActor:
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
-        # Set by a post of this job that lets the server act, which wakes it when the job ends (see
-        # _post_ready). Only the worker thread writes it (hooks, which may run in autograd's thread, wake the
-        # server themselves), and only between its own jobs' start and end: no lock.
+        # Set by a post of the running forward/backward job that lets the server act: the job wakes the
+        # server as it ends (see _post_ready). Only the worker thread writes and reads it (hooks, which may
+        # run in autograd's thread, wake the server themselves), so it needs no lock.
         self._wake_server = False
         # The device runs kernels behind the host (an accelerator): a reduction launched early can still
         # overlap its queued work.

@@ -111,7 +111,8 @@ class LastArrivals:
     Only that post needs to wake the sync server, which can launch a bucket
     (or finish the step) only once every device has posted it; the others
     ride along with it. (It wakes the server at once from a gradient hook,
-    otherwise when the poster's job ends: see ``DeviceActor._post_ready``.) Every device posts every bucket and its losses
+    otherwise when the poster's job ends: see ``DeviceActor._post_ready``.)
+    Every device posts every bucket and its losses
     exactly once per step, and none posts for the next step before the
     server has every post of this one, so a count per bucket, modulo the
     device count, names the last poster. No lock: ``next`` on an

@@ -200,8 +200,9 @@ class SyncServer:
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         if deadline.cancelled_caught:
-            # Posts that did not wake the server (a bucket, or the losses, not yet in from every device, or
-            # in from all but the last poster's job has not ended) still count as arrived.
+            # Posts that did not wake the server still count as arrived: a bucket, or the losses, not yet in
+            # from every device, or in from every device but whose last poster's job (which wakes the server as
+            # it ends) had not ended.
             while (late := self.mailbox.receive_nowait()) is not None:
                 if isinstance(late, BucketReady) and late.step == step:
                     arrived[late.bucket][late.device] = 1
