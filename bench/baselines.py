@@ -327,6 +327,8 @@ class _JobThread:
 
 def _settle(done: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
     for future, value, error in done:
+        if future.done():
+            continue  # its awaiter was cancelled: setting it would raise on the loop
         if error is None:
             future.set_result(value)
         else:
