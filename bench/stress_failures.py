@@ -26,7 +26,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "multiproc"))
+# The scenarios are test modules: they import as under pytest, which puts both folders on the path.
+_TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path[:0] = [str(_TESTS / "multiproc"), str(_TESTS)]
 
 import test_engine_multiprocess as scenarios  # noqa: E402
 import test_heartbeat_multiprocess as heartbeat_scenarios  # noqa: E402

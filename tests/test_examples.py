@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from multiproc.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,12 +67,6 @@ def test_custom_loop_example_learns() -> None:
     assert len(samples) == 1, completed.stdout
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.timeout(120)
 def test_custom_loop_example_under_torchrun_matches_one_process(tmp_path: Path) -> None:
     """2 processes of 1 device train as 1 process of 2 devices: batches split rank-major, same global steps."""
@@ -85,7 +79,7 @@ def test_custom_loop_example_under_torchrun_matches_one_process(tmp_path: Path) 
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     env = {name: value for name, value in os.environ.items() if name not in launcher}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    port = str(_free_port())
+    port = str(free_port())
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", port]
     two_processes = _run([*torchrun, str(CUSTOM_LOOP), *short, "--devices", "cpu"], timeout=60, env=env)
     expected, got = _epoch_losses(one_process.stdout), _epoch_losses(two_processes.stdout)

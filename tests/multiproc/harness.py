@@ -2,9 +2,11 @@
 
 Each rank is a fresh ``python -c`` child with ``MASTER_ADDR=127.0.0.1``, a
 free ``MASTER_PORT``, and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-``LOCAL_WORLD_SIZE`` set. The child imports the function's module from its
-file, calls ``fn(*args)`` and pickles the return value (or the exception's
-type, message and traceback) to a file the parent reads.
+``LOCAL_WORLD_SIZE`` set. The child takes the parent's ``sys.path`` (so a
+test module's imports, ``conftest`` included, resolve as under pytest),
+imports the function's module from its file, calls ``fn(*args)`` and pickles
+the return value (or the exception's type, message and traceback) to a file
+the parent reads.
 
 Children never outlive :func:`run_ranks`: on the hard timeout, on an error in
 the parent (including pytest-timeout's interrupt), and shortly after one rank
@@ -17,6 +19,7 @@ This module imports nothing heavy, so its own self-test functions start fast.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import queue
@@ -39,8 +42,11 @@ __all__ = ("RankResult", "RanksTimedOut", "free_port", "run_ranks")
 FAILURE_GRACE_S = 5.0
 
 _BOOT = r"""
-import faulthandler, importlib.util, os, pickle, signal, sys, traceback
-path, name, func, args_path, result_path, dump_after, parent = sys.argv[1:8]
+import faulthandler, importlib.util, json, os, pickle, signal, sys, traceback
+path, name, func, args_path, result_path, dump_after, parent, parent_path = sys.argv[1:9]
+# The parent's import path, as multiprocessing's spawn passes it: the module and
+# what it imports (and the args' pickled classes) resolve as they did in the parent.
+sys.path[:] = json.loads(parent_path)
 if sys.platform == "linux":
     # Die with the parent, even if it is killed before it can kill us.
     import ctypes
@@ -51,7 +57,8 @@ if sys.platform == "linux":
 # when the harness is about to kill this rank, so a hang says where it hung.
 faulthandler.dump_traceback_later(float(dump_after), exit=False)
 faulthandler.register(signal.SIGUSR1, all_threads=True)
-sys.path.insert(0, os.path.dirname(path))
+if os.path.dirname(path) not in sys.path:
+    sys.path.insert(0, os.path.dirname(path))
 def write(payload):
     tmp = result_path + ".tmp"
     with open(tmp, "wb") as f:
@@ -201,7 +208,8 @@ def run_ranks(
                 with stderr:
                     proc = subprocess.Popen(
                         [sys.executable, "-c", _BOOT, str(path), fn.__module__, fn.__name__, str(args_path),
-                         str(workdir / f"result{rank}.pkl"), str(max(timeout - 2.0, 0.5)), str(os.getpid())],
+                         str(workdir / f"result{rank}.pkl"), str(max(timeout - 2.0, 0.5)), str(os.getpid()),
+                         json.dumps(sys.path)],
                         env=_rank_env(rank, world_size, port, env),
                         stdin=subprocess.DEVNULL,
                         stdout=stderr,

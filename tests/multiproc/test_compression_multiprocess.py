@@ -8,19 +8,15 @@ the same two-term sum), and the bytes that cross the process group halve.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import classification_loss, make_batches, sgd  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from conftest import classification_loss, make_batches, sgd
+from harness import run_ranks
 
 STEPS = 8
 ROWS = 31  # uneven over 2 devices: weights 16/31 and 15/31

@@ -6,18 +6,14 @@ import asyncio
 import copy
 import os
 import signal
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference
+from harness import run_ranks
 
 STEPS = 5
 ROWS = 19  # uneven over 2 and over 4 devices

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import TiedNet, classification_loss, make_batches, sgd
+from harness import run_ranks
 
-from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
-from harness import run_ranks  # noqa: E402
-
-from gsync.distributed.heartbeat import LOST_AFTER_S  # noqa: E402
+from gsync.distributed.heartbeat import LOST_AFTER_S
 
 STEPS = 6
 

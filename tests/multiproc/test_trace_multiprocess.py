@@ -5,16 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
-from harness import run_ranks  # noqa: E402
+from conftest import TiedNet, classification_loss, make_batches, sgd
+from harness import run_ranks
 
 
 def traced_fits(directory: str) -> dict[str, Any]:
