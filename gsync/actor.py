@@ -686,6 +686,12 @@ def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:
         name = getattr(metric_fn, "__name__", "metric")
         metrics = {"metric" if name == "<lambda>" else name: value}
     for name, metric in metrics.items():
+        if not isinstance(name, str):
+            # Across processes the names are exchanged as strings; one process must not accept what many refuse.
+            raise InputTypeError(
+                f"the metric function returned the key {name!r} ({type(name).__name__}) on {device}; "
+                "metric names must be str"
+            )
         if isinstance(metric, torch.Tensor) and metric.numel() == 1:
             continue
         if isinstance(metric, (int, float)) and not isinstance(metric, bool):

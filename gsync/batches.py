@@ -33,8 +33,8 @@ def _leaves(batch: Batch, path: str) -> list[tuple[str, torch.Tensor]]:
     )
 
 
-def batch_rows(batch: Batch, step: int) -> int:
-    """The batch size along dim 0, after checking every tensor agrees.
+def batch_rows(batch: Batch, where: str) -> int:
+    """The batch size along dim 0, after checking every tensor agrees; ``where`` names the batch in errors.
 
     :raises ~gsync.InputTypeError: for a leaf that is not a tensor.
     :raises ~gsync.ConfigError: for a batch with no tensor, a 0-d tensor, or
@@ -42,18 +42,18 @@ def batch_rows(batch: Batch, step: int) -> int:
     """
     leaves = _leaves(batch, "batch")
     if not leaves:
-        raise ConfigError(f"batch of step {step} holds no tensor")
+        raise ConfigError(f"{where} holds no tensor")
     sizes: dict[int, str] = {}
     for path, tensor in leaves:
         if tensor.dim() == 0:
-            raise ConfigError(f"{path} of step {step} is a 0-d tensor; batches are split along dim 0, so give it a batch dim")
+            raise ConfigError(f"{path} in {where} is a 0-d tensor; batches are split along dim 0, so give it a batch dim")
         sizes.setdefault(tensor.shape[0], path)
     if len(sizes) > 1:
         shown = ", ".join(f"{path} has {rows}" for rows, path in sizes.items())
-        raise ConfigError(f"tensors in the batch of step {step} disagree on their size along dim 0 ({shown}); give them equal row counts")
+        raise ConfigError(f"tensors in {where} disagree on their size along dim 0 ({shown}); give them equal row counts")
     rows = next(iter(sizes))
     if rows == 0:
-        raise ConfigError(f"batch of step {step} has 0 rows")
+        raise ConfigError(f"{where} has 0 rows")
     return rows
 
 

@@ -25,6 +25,7 @@ from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHoo
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
+from .feeder import check_batch_source
 from .fit import check_callbacks, run_fit
 from .result import FitResult, FitStats
 from .session import Session, open_session
@@ -193,7 +194,9 @@ class Engine:
         on every device (``session.step(b1, ..., bN)`` accumulates N global
         batches into one step); ``session.evaluate``, ``session.all_reduce``
         and ``session.checkpoint`` complete the loop. Leaving the block
-        without an error writes the trained weights into ``model``.
+        without an error writes the trained weights into ``model``; after a
+        failure (even one caught inside the block) ``model`` is left as it
+        was, and the error's ``checkpoint`` holds the last consistent state.
 
         The recipe features are the same as :meth:`fit`'s:
 
@@ -416,12 +419,7 @@ def _recipe(
 def _check_data(data: object, epochs: object) -> None:
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
-    if isinstance(data, torch.Tensor):
-        raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
-    if not isinstance(data, (Iterable, AsyncIterable)):
-        raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
-    # Type checks only: calling iter() here would run a DataLoader's sampler
-    # (consuming RNG state) or start its workers on the event loop.
+    check_batch_source(data)
     one_shot = isinstance(data, (Iterator, AsyncIterator))
     if one_shot and epochs > 1:
         raise ConfigError(

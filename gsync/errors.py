@@ -109,23 +109,39 @@ class WorkerFailed(FitError):
         self.site = site
 
 
-class SyncFailed(FitError):
-    """The collective that reduces a bucket (or closes a step) raised; the cause is ``__cause__``.
+# Sites of the session's calls that run between steps, whose errors name the last step applied.
+_BETWEEN_STEPS = ("evaluate", "all_reduce")
 
-    ``bucket`` is ``None`` when the step's closing collectives failed (the
-    buffer broadcast, or the agreement across processes) rather than a bucket
-    reduction.
+
+def _after(step: int) -> str:
+    return f"after step {step}" if step >= 0 else "before the first step"
+
+
+class SyncFailed(FitError):
+    """A collective raised; the cause is ``__cause__``.
+
+    ``site`` says which: ``"all-reduce of bucket N"`` (``bucket`` is ``N``),
+    ``"buffer broadcast"`` for a step's closing collectives (the buffer
+    broadcast, or the agreement across processes; ``bucket`` is ``None``), or
+    ``"evaluate"`` / ``"all_reduce"`` for those session calls, which run
+    between steps (``step`` is then the last step applied).
     """
 
-    def __init__(self, step: int, bucket: int | None, detail: str = "") -> None:
-        what = "closing collectives (buffer broadcast, cross-process agreement)" if bucket is None else f"all-reduce of bucket {bucket}"
-        super().__init__(f"{what} failed at step {step}" + (f": {detail}" if detail else ""))
+    def __init__(self, step: int, bucket: int | None, detail: str = "", site: str | None = None) -> None:
+        if site in _BETWEEN_STEPS:
+            what = f"the collective of {site} {_after(step)}"
+        elif bucket is None:
+            what = f"closing collectives (buffer broadcast, cross-process agreement) at step {step}"
+        else:
+            what = f"all-reduce of bucket {bucket} at step {step}"
+        super().__init__(f"{what} failed" + (f": {detail}" if detail else ""))
         self.step = step
         self.bucket = bucket
+        self.site = site or ("buffer broadcast" if bucket is None else f"all-reduce of bucket {bucket}")
 
 
 class SyncTimeout(FitError, TimeoutError):
-    """A step (or an evaluation, ``site="evaluate"``) did not complete within ``sync_timeout`` seconds.
+    """A step (or an evaluation, ``site="evaluate"``, or ``site="all_reduce"``) did not complete within ``sync_timeout`` seconds.
 
     ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
     ``unreduced`` the buckets that were ready everywhere but whose reduction
@@ -152,9 +168,8 @@ class SyncTimeout(FitError, TimeoutError):
         self.stalled_devices = tuple(stalled_devices) or tuple(dict.fromkeys(d for d, _ in self.missing))
         self.last_seen = dict(last_seen or {})
         self.site = site
-        if site == "evaluate":  # between steps: ``step`` is the last step applied
-            when = f"after step {step}" if step >= 0 else "before the first step"
-            parts = [f"evaluate {when} did not complete within {timeout:g} s"]
+        if site in _BETWEEN_STEPS:  # ``step`` is the last step applied
+            parts = [f"{site} {_after(step)} did not complete within {timeout:g} s"]
         else:
             parts = [f"step {step} did not complete its {site} within {timeout:g} s"]
         if self.stalled_devices:
@@ -229,6 +244,8 @@ class PeerFailed(FitError):
         else:
             if device:
                 where = f"worker on device {device} failed at step {step} during {site}"
+            elif site in _BETWEEN_STEPS:
+                where = f"{site} {_after(step)} failed"
             elif step >= 0:
                 where = f"{site} failed at step {step}"
             else:
@@ -306,11 +323,21 @@ class PeerLost(PeerFailed):
 
 
 class DataFailed(FitError):
-    """Iterating the user's ``data`` raised while reading the batch of ``step``; the cause is ``__cause__``."""
+    """Iterating the user's ``data`` raised; the cause is ``__cause__``.
 
-    def __init__(self, step: int) -> None:
-        super().__init__(f"reading the batch of step {step} from data failed")
+    In ``fit`` (``site="reading data"``) while reading the batch of ``step``;
+    in :meth:`Session.evaluate` (``site="evaluate"``) after ``step``, the
+    last step applied.
+    """
+
+    def __init__(self, step: int, site: str = "reading data") -> None:
+        if site in _BETWEEN_STEPS:
+            message = f"reading the data of {site} {_after(step)} failed"
+        else:
+            message = f"reading the batch of step {step} from data failed"
+        super().__init__(message)
         self.step = step
+        self.site = site
 
 
 class SessionClosed(ConfigError):

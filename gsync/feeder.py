@@ -1,33 +1,35 @@
-"""The feeder: reads ``fit``'s global batches, epoch by epoch, ahead of training.
+"""Reading the user's data.
 
-It runs as its own task and hands batches over a one-item stream, so the next
-batch is read while the current step trains. Synchronous iterables other than
-lists and tuples (a ``DataLoader``, a generator) are advanced in a worker
-thread, so slow data loading never blocks the event loop; async iterables are
-awaited directly.
+:class:`BatchReader` reads ``data`` pass by pass. Synchronous iterables other
+than lists and tuples (a ``DataLoader``, a generator) are advanced in a
+worker thread, so slow data loading never blocks the event loop; async
+iterables are awaited directly. :meth:`gsync.Session.evaluate` reads with it.
 
-A failure to read is handed over as an item too (:class:`ReadFailed`), after
-the batches read before it, so ``fit`` runs the steps it already has before
-raising it.
+:class:`Feeder` reads ``fit``'s global batches with it, epoch by epoch, as
+its own task, and hands them over a one-item stream, so the next batch is
+read while the current step trains. A failure to read is handed over as an
+item too (:class:`ReadFailed`), after the batches read before it, so ``fit``
+runs the steps it already has before raising it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import torch
 from anyio.abc import ObjectSendStream
 
 from ._threads import LoopHandle, WorkerThread
 from .errors import ConfigError, DataFailed, GsyncError, InputTypeError
 
-__all__ = ("BatchRead", "EpochEnded", "Feeder", "FeedItem", "ReadFailed")
+__all__ = ("BatchRead", "BatchReader", "check_batch_source", "EpochEnded", "Feeder", "FeedItem", "ReadFailed")
 
 _END = object()
-# How long the feeder waits for its data thread to finish the current read at the end.
+# How long a reader waits for its data thread to finish the current read at the end.
 _THREAD_GRACE_S = 0.5
 
 
@@ -51,6 +53,80 @@ class ReadFailed:
 FeedItem = BatchRead | EpochEnded | ReadFailed
 
 
+def check_batch_source(data: object) -> None:
+    """:raises ~gsync.InputTypeError: unless ``data`` is an iterable or async iterable (of batches).
+
+    Type checks only: calling ``iter()`` here would run a ``DataLoader``'s
+    sampler (consuming RNG state) or start its workers on the event loop.
+    """
+    if isinstance(data, torch.Tensor):
+        raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
+    if not isinstance(data, (Iterable, AsyncIterable)):
+        raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
+
+
+class BatchReader:
+    """Reads a user's ``data``, pass after pass: lists and tuples directly,
+    async iterables awaited, other iterables advanced in a worker thread
+    (started at the first such read, ended by :meth:`close`).
+
+    Every failure to read, starting a pass included (an ``__iter__`` that
+    opens files or starts a ``DataLoader``'s workers), becomes the
+    :class:`~gsync.DataFailed` that the caller makes of it.
+    """
+
+    def __init__(self, data: Iterable[Any] | AsyncIterable[Any], loop: LoopHandle) -> None:
+        self._data = data
+        self._loop = loop
+        self._worker: WorkerThread | None = None
+
+    async def batches(self, failed: Callable[[int], DataFailed]) -> AsyncGenerator[Any, None]:
+        """Yield one pass's batches; ``failed(n)`` is raised, the cause chained, when reading its ``n``-th (from 0) fails."""
+        data = self._data
+        if isinstance(data, (list, tuple)):
+            for batch in data:
+                yield batch
+            return
+        pull: Callable[[], Awaitable[Any]] | None = None
+        read = 0
+        while True:
+            try:
+                if pull is None:
+                    pull = await self._start(data)
+                batch = await pull()
+            except StopAsyncIteration:
+                return
+            except GsyncError:
+                raise
+            except Exception as error:
+                raise failed(read) from error
+            yield batch
+            read += 1
+
+    async def _start(self, data: Iterable[Any] | AsyncIterable[Any]) -> Callable[[], Awaitable[Any]]:
+        """Begin a pass over ``data``; the function that reads its next batch (``StopAsyncIteration`` at the end)."""
+        if isinstance(data, AsyncIterable):
+            return aiter(data).__anext__
+        if self._worker is None:
+            self._worker = WorkerThread("gsync-data", self._loop)
+        worker = self._worker
+        iterator = await worker.run(lambda: iter(data))
+
+        async def pull() -> Any:
+            batch = await worker.run(lambda: next(iterator, _END))
+            if batch is _END:
+                raise StopAsyncIteration
+            return batch
+
+        return pull
+
+    async def close(self) -> None:
+        """End the worker thread, if one was started, after the read it may be in (waited for briefly)."""
+        if self._worker is not None:
+            self._worker.stop()
+            await self._worker.join(_THREAD_GRACE_S)
+
+
 class Feeder:
     """Reads every batch of every epoch of ``data`` into a stream.
 
@@ -61,11 +137,9 @@ class Feeder:
     def __init__(
         self, data: Iterable[Any] | AsyncIterable[Any], epochs: int, loop: LoopHandle, batches_per_step: int = 1
     ) -> None:
-        self._data = data
+        self._reader = BatchReader(data, loop)
         self._epochs = epochs
-        self._loop = loop
         self._batches_per_step = batches_per_step
-        self.worker: WorkerThread | None = None
 
     async def run(self, send: ObjectSendStream[FeedItem]) -> None:
         """Send every batch, an :class:`EpochEnded` after each epoch, and at most one :class:`ReadFailed` last.
@@ -79,19 +153,21 @@ class Feeder:
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass  # the loop stopped reading (it ended early, failed or was cancelled)
             finally:
-                if self.worker is not None:
-                    self.worker.stop()
-                    await self.worker.join(_THREAD_GRACE_S)
+                await self._reader.close()
 
     async def _read_all(self, send: ObjectSendStream[FeedItem]) -> None:
+        per_step = self._batches_per_step
         try:
-            index = 0
+            steps_before = 0  # the steps of the epochs read so far; fit drops each epoch's partial step
             for epoch in range(self._epochs):
                 count = 0
-                async with aclosing(self._batches(index)) as batches:
+
+                def failed(read: int, first: int = steps_before) -> DataFailed:
+                    return DataFailed(first + read // per_step)
+
+                async with aclosing(self._reader.batches(failed)) as batches:
                     async for batch in batches:
                         await send.send(BatchRead(epoch, batch))
-                        index += 1
                         count += 1
                 if count == 0:
                     raise ConfigError(
@@ -101,39 +177,6 @@ class Feeder:
                         "DataLoader), not a one-shot iterator"
                     )
                 await send.send(EpochEnded(epoch, count))
+                steps_before += count // per_step
         except (ConfigError, InputTypeError, DataFailed) as error:
             await send.send(ReadFailed(error))
-
-    async def _batches(self, index: int) -> AsyncGenerator[Any, None]:
-        """Yield the batches of one epoch; a failure of the user's iterable becomes :class:`DataFailed`."""
-        data = self._data
-        if isinstance(data, (list, tuple)):
-            for batch in data:
-                yield batch
-            return
-        if isinstance(data, AsyncIterable):
-            iterator = aiter(data)
-            pull = iterator.__anext__
-        else:
-            if self.worker is None:
-                self.worker = WorkerThread("gsync-data", self._loop)
-            worker = self.worker
-            sync_iterator = await worker.run(lambda: iter(data))
-
-            async def pull() -> Any:
-                batch = await worker.run(lambda: next(sync_iterator, _END))
-                if batch is _END:
-                    raise StopAsyncIteration
-                return batch
-
-        while True:
-            try:
-                batch = await pull()
-            except StopAsyncIteration:
-                return
-            except GsyncError:
-                raise
-            except Exception as error:
-                raise DataFailed(index // self._batches_per_step) from error
-            yield batch
-            index += 1

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -50,6 +50,7 @@ from .distributed.heartbeat import Whereabouts, locate
 from .distributed.runtime import ProcessGroupRuntime
 from .errors import (
     ConfigError,
+    DataFailed,
     GsyncError,
     InputTypeError,
     LostRank,
@@ -60,6 +61,7 @@ from .errors import (
     SyncFailed,
     SyncTimeout,
 )
+from .feeder import BatchReader, check_batch_source
 from .mailbox import Mailbox
 from .messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
 from .outcome import first_failure, is_cancellation, raised_by_block
@@ -225,20 +227,32 @@ class Session:
 
         Without ``metric_fn`` the result is ``{"loss": ...}`` from the
         session's ``loss_fn``. ``metric_fn(model, shard)`` returns a scalar
-        (reported under the function's name) or a dict of scalars. Each batch
-        is split over the devices as in :meth:`step` (with process-local data,
-        over this process's devices). Across processes this is a collective:
-        every rank calls it at the same point of its loop (not only rank 0, as
-        DDP scripts often validate; a rank that skips it leaves the others
-        waiting until ``sync_timeout``); ranks may see different numbers of
-        rows, and a metric's names are combined over every rank. Module modes
-        are restored afterwards.
+        (reported under the function's name) or a dict of scalars keyed by
+        name. Each metric is the mean over the rows of the shards that
+        reported it, weighted by their rows: over every row for a metric every
+        shard reports, and the same on any number of devices for one that only
+        some shards report. Each batch is split over the devices as in
+        :meth:`step` (with process-local data, over this process's devices).
+        Across processes this is a collective: every rank calls it at the same
+        point of its loop (not only rank 0, as DDP scripts often validate; a
+        rank that skips it leaves the others waiting until ``sync_timeout``);
+        ranks may see different numbers of rows, and a metric's names are
+        combined over every rank. Module modes are restored afterwards.
 
+        A failure midway (reading ``data``, a bad batch, ``metric_fn``)
+        closes the session, as a failed :meth:`step` does: across processes
+        the ranks' evaluations no longer match. The error carries the
+        checkpoint of the last step (``error.checkpoint``) to resume from.
+
+        :raises ~gsync.InputTypeError: for ``data`` that is not an iterable of batches, or a ``metric_fn`` that
+            is not callable (before any work, the session stays open).
+        :raises ~gsync.DataFailed: when iterating ``data`` raises (``site="evaluate"``; the cause chained).
         :raises ~gsync.WorkerFailed: when ``metric_fn`` raises on a device.
         :raises ~gsync.SyncTimeout: when a device's share of a batch takes longer than ``sync_timeout``.
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
         self._check_usable("evaluate")
+        check_batch_source(data)
         if metric_fn is not None and not callable(metric_fn):
             raise InputTypeError("metric_fn must be callable as metric_fn(model, shard) -> scalar or dict of scalars")
         loss_fn = self._recipe.loss_fn
@@ -260,27 +274,42 @@ class Session:
         total_rows = float(totals[-1])
         if total_rows == 0:
             raise ConfigError("evaluate() got no rows: data yielded nothing")
-        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
+        count = len(names)
+        sums, rows = totals[:count].tolist(), totals[count : 2 * count].tolist()
+        return {name: value / name_rows for name, value, name_rows in zip(names, sums, rows)}
 
     async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
-        """Row-weighted metric sums over every batch and local device, then over every process."""
+        """Every metric's row-weighted sum and rows over every batch and local device, then over every process.
+
+        The totals are the sums in ``names``' order, then the rows behind each, then all the rows seen.
+        """
         sums: dict[str, float] = {}
+        rows_of: dict[str, int] = {}
         rows_seen = 0
-        async for batch in _iterate(data, self._loop_handle()):
-            rows = batch_rows(batch, self._next_step)
-            counts, shards = self._split_one(batch, rows)
-            results: list[dict[str, float]] = [{} for _ in self._actors]
+        after = self._next_step - 1
+        reader = BatchReader(data, self._loop_handle())
+        try:
+            async with aclosing(reader.batches(lambda _: DataFailed(after, site="evaluate"))) as batches:
+                number = 0
+                async for batch in batches:
+                    rows = batch_rows(batch, f"evaluate's batch {number} (from 0)")
+                    number += 1
+                    counts, shards = self._split_one(batch, rows)
+                    results: list[dict[str, float]] = [{} for _ in self._actors]
 
-            async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
-                results[index] = await actor.evaluate(shard, count, fn)
+                    async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
+                        results[index] = await actor.evaluate(shard, count, fn)
 
-            async with anyio.create_task_group() as group:
-                for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
-                    group.start_soon(run, index, actor, shard, count)
-            for values in results:
-                for name, value in values.items():
-                    sums[name] = sums.get(name, 0.0) + value
-            rows_seen += sum(counts)
+                    async with anyio.create_task_group() as group:
+                        for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
+                            group.start_soon(run, index, actor, shard, count)
+                    for values, count in zip(results, counts):
+                        for name, value in values.items():
+                            sums[name] = sums.get(name, 0.0) + value
+                            rows_of[name] = rows_of.get(name, 0) + count
+                    rows_seen += sum(counts)
+        finally:
+            await reader.close()
         names = sorted(sums)
         runtime = self._runtime
         if runtime is not None:
@@ -288,7 +317,10 @@ class Session:
             # the data, knows other names: reduce over the union, in one order.
             local = names
             names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
-        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
+        totals = torch.tensor(
+            [sums.get(name, 0.0) for name in names] + [float(rows_of.get(name, 0)) for name in names] + [float(rows_seen)],
+            dtype=torch.float64,
+        )
         if runtime is not None:
             totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
         return names, totals
@@ -382,7 +414,7 @@ class Session:
         per_device: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in self._actors]
         global_rows = 0
         for batch in batches:
-            rows = batch_rows(batch, step)
+            rows = batch_rows(batch, f"the batch of step {step}")
             counts, shards = self._split_one(batch, rows)
             total = rows * self._topology.world_size if self._process_local else rows
             global_rows += total
@@ -509,7 +541,7 @@ class Session:
             except (GsyncError, FitAborted):
                 raise
             except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
-                failure = SyncFailed(step, None, f"{what} failed")
+                failure = SyncFailed(step, None, site=what)
                 failure.__cause__ = error
             else:
                 self._collective_what = None
@@ -845,29 +877,6 @@ async def open_session(
         if isinstance(raised, GsyncError):
             logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
         raise raised
-
-
-async def _iterate(data: Iterable[Any] | AsyncIterable[Any], loop: LoopHandle) -> AsyncIterator[Any]:
-    """The batches of ``data``: lists directly, async iterables awaited, other iterables advanced in a thread."""
-    if isinstance(data, (list, tuple)):
-        for batch in data:
-            yield batch
-        return
-    if isinstance(data, AsyncIterable):
-        async for batch in data:
-            yield batch
-        return
-    if not isinstance(data, Iterable) or isinstance(data, torch.Tensor):
-        raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
-    worker = WorkerThread("gsync-data", loop)
-    end = object()
-    try:
-        iterator = await worker.run(lambda: iter(data))
-        while (batch := await worker.run(lambda: next(iterator, end))) is not end:
-            yield batch
-    finally:
-        worker.stop()
-        await worker.join(_THREAD_GRACE_S)
 
 
 def _built(value: _T | None) -> _T:

@@ -321,6 +321,71 @@ async def test_data_iterator_failure_names_the_step() -> None:
     assert caught.value.last_step == 1
 
 
+class _Reopened:
+    """A re-iterable that opens its source again each epoch; the ``fail_on``-th opening raises."""
+
+    def __init__(self, batches: list[Any], fail_on: int) -> None:
+        self.batches, self.fail_on, self.opened = batches, fail_on, 0
+
+    def __iter__(self) -> Any:
+        self.opened += 1
+        if self.opened == self.fail_on:
+            raise OSError("index file vanished")
+        return iter(self.batches)
+
+
+class _AsyncReopened(_Reopened):
+    def __aiter__(self) -> Any:
+        inner = _Reopened.__iter__(self)
+
+        async def batches() -> Any:
+            for batch in inner:
+                yield batch
+
+        return batches()
+
+    __iter__ = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("source", [_Reopened, _AsyncReopened])
+async def test_data_that_fails_to_start_an_epoch_raises_data_failed_and_keeps_the_steps_done(source: type) -> None:
+    batches = make_batches(4, 8)
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with pytest.raises(gsync.DataFailed) as caught:
+        await engine.fit(TiedNet(), source(batches, fail_on=2), epochs=3, optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.step == 4 and isinstance(caught.value.__cause__, OSError)
+    # Every step of the first epoch ran, the one read ahead included, and nothing of them is lost.
+    assert caught.value.last_step == 3 and caught.value.checkpoint.step == 3
+
+
+class _FailsOnRead:
+    def __init__(self, batches: list[Any], fail_at: int) -> None:
+        self.batches, self.fail_at, self.reads = batches, fail_at, 0
+
+    def __iter__(self) -> Any:
+        for batch in self.batches:
+            self.reads += 1
+            if self.reads == self.fail_at:
+                raise OSError("disk gone")
+            yield batch
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "step"),
+    [
+        (7, 2),  # the second batch of step 2 (epoch 1's first step; epoch 0 dropped its fifth batch)
+        (11, 4),  # the first batch of epoch 2, after two dropped partial steps
+    ],
+)
+async def test_data_failed_names_the_step_with_accumulation_and_dropped_partial_steps(fail_at: int, step: int) -> None:
+    data = _FailsOnRead(make_batches(5, 8), fail_at)
+    with pytest.raises(gsync.DataFailed) as caught, pytest.warns(UserWarning, match="left out"):
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+            TiedNet(), data, epochs=3, accumulate=2, optimizer=sgd, loss_fn=classification_loss
+        )
+    assert caught.value.step == step and caught.value.last_step == step - 1
+
+
 async def test_fault_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="site"):
         gsync.testing.fail(0, 0, "sideways")  # type: ignore[arg-type]
@@ -359,6 +424,8 @@ async def test_every_gsync_error_pickles_with_its_attributes() -> None:
         gsync.PeerFailed(1, "cpu", 2, "forward", "KeyError", "'x'"),
         gsync.PeerLost([gsync.LostRank(1, 2, "backward", "cpu", 3.2, 0.1)]),
         gsync.DataFailed(7),
+        gsync.DataFailed(3, site="evaluate"),
+        gsync.SyncFailed(3, None, site="all_reduce"),
         gsync.ConfigError("bad"),
     ]
     for error in errors:

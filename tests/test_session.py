@@ -190,6 +190,78 @@ async def test_evaluate_gives_global_row_weighted_means_in_eval_mode(num_devices
     assert both == {"acc": pytest.approx(acc, abs=1e-6), "loss": pytest.approx(loss, abs=1e-5)}
 
 
+@pytest.mark.parametrize("num_devices", [1, 2])
+async def test_a_metric_only_some_shards_report_is_averaged_over_their_rows(num_devices: int) -> None:
+    x = torch.randn(8, 12)
+    y = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0])
+
+    def metrics(model: nn.Module, batch: Any) -> dict[str, float]:
+        _, labels = batch
+        found = {"seen": 1.0}
+        if bool((labels == 1).any()):  # on 2 devices only the first shard has positives
+            found["positives"] = float((labels == 1).float().mean()) * 2.0
+        return found
+
+    engine = gsync.Engine([f"cpu:{i}" for i in range(num_devices)])
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        result = await session.evaluate([(x, y)], metric_fn=metrics)
+    # One device: 0.5 positives x 2 over 8 rows; two devices: 1.0 x 2 over the first shard's 4 rows, and the
+    # rows of the shard that reported nothing do not count.
+    expected = 1.0 if num_devices == 1 else 2.0
+    assert result == {"seen": 1.0, "positives": pytest.approx(expected)}
+
+
+async def test_evaluate_rejects_what_is_not_batches_before_any_work_and_the_session_stays_open() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    before = copy.deepcopy(model.state_dict())
+    async with gsync.Engine(TWO).session(model, optimizer=sgd, loss_fn=classification_loss) as session:
+        for data in (torch.zeros(8, 12), 5):
+            with pytest.raises(gsync.InputTypeError, match="data"):
+                await session.evaluate(data)  # type: ignore[arg-type]
+        await session.step(make_batches(1, 8)[0])
+    assert any(not torch.equal(value, before[name]) for name, value in model.state_dict().items())
+
+
+def _fails_midway() -> Any:
+    yield make_batches(1, 8)[0]
+    raise OSError("val shard missing")
+
+
+class _FailsToStart:
+    def __iter__(self) -> Any:
+        raise OSError("val shard missing")
+
+
+async def _async_fails_midway() -> Any:
+    yield make_batches(1, 8)[0]
+    raise OSError("val shard missing")
+
+
+@pytest.mark.parametrize("data", [_fails_midway, _FailsToStart, _async_fails_midway])
+async def test_evaluate_data_that_fails_raises_data_failed_and_closes_the_session(data: Any) -> None:
+    async with gsync.Engine(TWO).session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        await session.step(make_batches(1, 8)[0])
+        with pytest.raises(gsync.DataFailed) as caught:
+            await session.evaluate(data())
+        # Across processes the ranks' evaluations would no longer match: the session is over.
+        with pytest.raises(gsync.SessionClosed, match="failed"):
+            await session.step(make_batches(1, 8)[0])
+    error = caught.value
+    assert str(error) == "reading the data of evaluate after step 0 failed"
+    assert error.site == "evaluate" and error.step == 0 and isinstance(error.__cause__, OSError)
+    assert error.checkpoint is not None and error.checkpoint.step == 0
+
+
+async def test_metric_names_must_be_strings_in_one_process_as_across_processes() -> None:
+    def by_class(model: nn.Module, batch: Any) -> dict[Any, float]:
+        return {0: 1.0}
+
+    with pytest.raises(gsync.InputTypeError, match="metric names must be str"):
+        async with gsync.Engine(TWO).session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            await session.evaluate(make_batches(1, 8), metric_fn=by_class)
+
+
 async def test_evaluate_failure_is_a_worker_failure_and_closes_the_session() -> None:
     def broken(model: nn.Module, batch: Any) -> torch.Tensor:
         raise ValueError("metric bug")

@@ -54,8 +54,8 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
     """The report a rank publishes for the error that ends its fit.
 
     ``WorkerFailed`` reports its device, step and site with its cause's type
-    and message; ``SyncFailed`` and ``SyncTimeout`` report the step and the
-    collective; other errors that name a device and step (``NonFiniteLoss``)
+    and message; ``SyncFailed``, ``SyncTimeout`` and ``DataFailed`` report
+    the step and their site (a collective, ``"evaluate"``, ...); other errors that name a device and step (``NonFiniteLoss``)
     report those; anything else is reported with its type and message. A
     :class:`PeerFailed` is a consequence of another rank's report: do not
     report it again; a :class:`PeerLost` is reported (the lost ranks cannot
@@ -70,13 +70,8 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
     site = getattr(error, "site", "")
     site = site if isinstance(site, str) else ""
     root: BaseException = error
-    if isinstance(error, WorkerFailed):
-        root = error.__cause__ or error
-    elif isinstance(error, SyncFailed):
-        site = "buffer broadcast" if error.bucket is None else f"all-reduce of bucket {error.bucket}"
-        root = error.__cause__ or error
-    elif isinstance(error, SyncTimeout):
-        site = "gradient sync"
+    if isinstance(error, (WorkerFailed, SyncFailed, DataFailed)):
+        root = error.__cause__ or error  # each names its site itself; the cause is what went wrong
     elif isinstance(error, NonFiniteLoss):
         site = "loss check"
     elif isinstance(error, PeerLost):
@@ -85,9 +80,6 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
         device, device_index = "", -1
         site = getattr(cause, "site", "") if isinstance(cause, SyncTimeout) else "collective"
         step = getattr(cause, "step", step)
-    elif isinstance(error, DataFailed):
-        site = "reading data"
-        root = error.__cause__ or error
     message = str(root)
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + " [truncated]"

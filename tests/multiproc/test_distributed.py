@@ -327,6 +327,23 @@ def test_failure_report_of_a_worker_failure_carries_its_cause() -> None:
     timeout = failure_report(1, gsync.SyncTimeout(5, 30.0, [("cpu:0", 2)]))
     assert (timeout.step, timeout.site, timeout.error_type) == (5, "gradient sync", "SyncTimeout")
     assert str(peer_failed(timeout)).startswith("rank 1 failed: gradient sync failed at step 5: SyncTimeout: ")
+    # Errors of the session's calls between steps keep their own site: peers read where the rank really was.
+    stalled = failure_report(1, gsync.SyncTimeout(5, 30.0, site="evaluate"))
+    assert (stalled.site, stalled.step) == ("evaluate", 5)
+    assert str(peer_failed(stalled)).startswith("rank 1 failed: evaluate after step 5 failed: SyncTimeout: ")
+    try:
+        try:
+            raise OSError("val shard missing")
+        except OSError as cause:
+            raise gsync.DataFailed(2, site="evaluate") from cause
+    except gsync.DataFailed as error:
+        data = failure_report(0, error)
+    assert (data.site, data.step, data.error_type, data.message) == ("evaluate", 2, "OSError", "val shard missing")
+    reduced = gsync.SyncFailed(3, None, site="all_reduce")
+    assert str(reduced) == "the collective of all_reduce after step 3 failed"
+    assert failure_report(0, reduced).site == "all_reduce"
+    assert failure_report(0, gsync.SyncFailed(3, None)).site == "buffer broadcast"
+    assert failure_report(0, gsync.SyncFailed(3, 1)).site == "all-reduce of bucket 1"
 
 
 def test_should_use_distributed(monkeypatch: pytest.MonkeyPatch) -> None:

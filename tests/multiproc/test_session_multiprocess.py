@@ -5,20 +5,16 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
-from harness import run_ranks  # noqa: E402
-from test_recipes import plain_loop, step_lr  # noqa: E402
+from conftest import TiedNet, classification_loss, make_batches, sgd
+from harness import run_ranks
+from test_recipes import plain_loop, step_lr
 
 GROUPS = 3  # steps, each accumulating 2 batches
 
@@ -185,6 +181,10 @@ def failures_outside_steps(case: str) -> dict[str, Any]:
     def broken_metric(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         raise ValueError("metric bug on rank 1")
 
+    def broken_data() -> Any:
+        yield make_batches(1, 8)[0]
+        raise OSError("val shard missing on rank 1")
+
     async def main() -> None:
         engine = gsync.Engine(["cpu"], sync_timeout=20)
         async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
@@ -192,6 +192,8 @@ def failures_outside_steps(case: str) -> dict[str, Any]:
             if case == "evaluate":
                 metric = broken_metric if rank == 1 else None
                 await session.evaluate(make_batches(3, 8), metric_fn=metric)
+            elif case == "evaluate_data":
+                await session.evaluate(broken_data() if rank == 1 else make_batches(3, 8))
             elif rank == 1:
                 raise KeyError("the user's own bug on rank 1")
             else:
@@ -205,12 +207,20 @@ def failures_outside_steps(case: str) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("case", ["evaluate", "user_exception"])
-def test_a_peer_failing_outside_a_step_is_named_not_waited_for(case: str) -> None:
+@pytest.mark.parametrize(
+    ("case", "error_type", "cause"),
+    [
+        ("evaluate", "WorkerFailed", "metric bug on rank 1"),
+        # Evaluate's data failing midway: the ranks' evaluations no longer match, so it ends the session too.
+        ("evaluate_data", "DataFailed", "evaluate after step 0 failed: OSError: val shard missing on rank 1"),
+        ("user_exception", "KeyError", "the user's own bug on rank 1"),
+    ],
+)
+def test_a_peer_failing_outside_a_step_is_named_not_waited_for(case: str, error_type: str, cause: str) -> None:
     peer, failed = run_ranks(failures_outside_steps, 2, args=(case,), timeout=80, check=True)
-    assert failed.value["type"] == ("WorkerFailed" if case == "evaluate" else "KeyError"), failed.value
+    assert failed.value["type"] == error_type, failed.value
     assert peer.value["type"] == "PeerFailed", peer.value
-    assert ("metric bug on rank 1" if case == "evaluate" else "the user's own bug on rank 1") in peer.value["message"]
+    assert cause in peer.value["message"], peer.value
     assert peer.value["elapsed"] < 20
 
 
