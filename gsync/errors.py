@@ -127,14 +127,16 @@ class SyncFailed(FitError):
     between steps (``step`` is then the last step applied).
     """
 
+    site: str = "buffer broadcast"  # the class default: an instance pickled before sites existed has none
+
     def __init__(self, step: int, bucket: int | None, detail: str = "", site: str | None = None) -> None:
         if site in _BETWEEN_STEPS:
-            what = f"the collective of {site} {_after(step)}"
+            what = f"the collective of {site} {_after(step)} failed"
         elif bucket is None:
-            what = f"closing collectives (buffer broadcast, cross-process agreement) at step {step}"
+            what = f"closing collectives (buffer broadcast, cross-process agreement) failed at step {step}"
         else:
-            what = f"all-reduce of bucket {bucket} at step {step}"
-        super().__init__(f"{what} failed" + (f": {detail}" if detail else ""))
+            what = f"all-reduce of bucket {bucket} failed at step {step}"
+        super().__init__(what + (f": {detail}" if detail else ""))
         self.step = step
         self.bucket = bucket
         self.site = site or ("buffer broadcast" if bucket is None else f"all-reduce of bucket {bucket}")
@@ -326,18 +328,23 @@ class DataFailed(FitError):
     """Iterating the user's ``data`` raised; the cause is ``__cause__``.
 
     In ``fit`` (``site="reading data"``) while reading the batch of ``step``;
-    in :meth:`Session.evaluate` (``site="evaluate"``) after ``step``, the
-    last step applied.
+    in :meth:`Session.evaluate` (``site="evaluate"``) while reading its
+    ``batch``-th batch (from 0) after ``step``, the last step applied.
     """
 
-    def __init__(self, step: int, site: str = "reading data") -> None:
+    site: str = "reading data"  # class defaults: an instance pickled before they existed has neither
+    batch: int | None = None
+
+    def __init__(self, step: int, site: str = "reading data", batch: int | None = None) -> None:
         if site in _BETWEEN_STEPS:
-            message = f"reading the data of {site} {_after(step)} failed"
+            which = "its data" if batch is None else f"batch {batch} (from 0) of its data"
+            message = f"{site} {_after(step)}: reading {which} failed"
         else:
             message = f"reading the batch of step {step} from data failed"
         super().__init__(message)
         self.step = step
         self.site = site
+        self.batch = batch
 
 
 class SessionClosed(ConfigError):

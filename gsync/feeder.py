@@ -14,7 +14,7 @@ runs the steps it already has before raising it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +61,8 @@ def check_batch_source(data: object) -> None:
     """
     if isinstance(data, torch.Tensor):
         raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
+    if isinstance(data, Mapping):
+        raise InputTypeError("data is a dict (one batch?), and iterating it gives its keys; pass an iterable of batches, e.g. [batch]")
     if not isinstance(data, (Iterable, AsyncIterable)):
         raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
 
@@ -96,9 +98,9 @@ class BatchReader:
                 batch = await pull()
             except StopAsyncIteration:
                 return
-            except GsyncError:
-                raise
             except Exception as error:
+                # Only the user's code runs here: even a gsync error it raises (from a
+                # session of its own) is a failure of its data, not of this session.
                 raise failed(read) from error
             yield batch
             read += 1

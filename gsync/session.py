@@ -228,16 +228,19 @@ class Session:
         Without ``metric_fn`` the result is ``{"loss": ...}`` from the
         session's ``loss_fn``. ``metric_fn(model, shard)`` returns a scalar
         (reported under the function's name) or a dict of scalars keyed by
-        name. Each metric is the mean over the rows of the shards that
-        reported it, weighted by their rows: over every row for a metric every
-        shard reports, and the same on any number of devices for one that only
-        some shards report. Each batch is split over the devices as in
-        :meth:`step` (with process-local data, over this process's devices).
-        Across processes this is a collective: every rank calls it at the same
-        point of its loop (not only rank 0, as DDP scripts often validate; a
-        rank that skips it leaves the others waiting until ``sync_timeout``);
-        ranks may see different numbers of rows, and a metric's names are
-        combined over every rank. Module modes are restored afterwards.
+        name. Each shard's values are weighted by its rows and divided by
+        every row seen, and a name a shard leaves out counts as 0 for its
+        rows: exact, on any number of devices, for a per-row mean (a fraction
+        of rows that are positive, which a shard with none may leave out). A
+        ratio of counts (recall) is not a per-row mean: return its numerator
+        and denominator as per-row means, and divide the results. Each batch
+        is split over the devices as in :meth:`step` (with process-local data,
+        over this process's devices). Across processes this is a collective:
+        every rank calls it at the same point of its loop (not only rank 0, as
+        DDP scripts often validate; a rank that skips it leaves the others
+        waiting until ``sync_timeout``); ranks may see different numbers of
+        rows, and a metric's names are combined over every rank. Module modes
+        are restored afterwards.
 
         A failure midway (reading ``data``, a bad batch, ``metric_fn``)
         closes the session, as a failed :meth:`step` does: across processes
@@ -274,22 +277,16 @@ class Session:
         total_rows = float(totals[-1])
         if total_rows == 0:
             raise ConfigError("evaluate() got no rows: data yielded nothing")
-        count = len(names)
-        sums, rows = totals[:count].tolist(), totals[count : 2 * count].tolist()
-        return {name: value / name_rows for name, value, name_rows in zip(names, sums, rows)}
+        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
 
     async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
-        """Every metric's row-weighted sum and rows over every batch and local device, then over every process.
-
-        The totals are the sums in ``names``' order, then the rows behind each, then all the rows seen.
-        """
+        """Row-weighted metric sums over every batch and local device, then over every process."""
         sums: dict[str, float] = {}
-        rows_of: dict[str, int] = {}
         rows_seen = 0
         after = self._next_step - 1
         reader = BatchReader(data, self._loop_handle())
         try:
-            async with aclosing(reader.batches(lambda _: DataFailed(after, site="evaluate"))) as batches:
+            async with aclosing(reader.batches(lambda read: DataFailed(after, site="evaluate", batch=read))) as batches:
                 number = 0
                 async for batch in batches:
                     rows = batch_rows(batch, f"evaluate's batch {number} (from 0)")
@@ -303,10 +300,9 @@ class Session:
                     async with anyio.create_task_group() as group:
                         for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
                             group.start_soon(run, index, actor, shard, count)
-                    for values, count in zip(results, counts):
+                    for values in results:
                         for name, value in values.items():
                             sums[name] = sums.get(name, 0.0) + value
-                            rows_of[name] = rows_of.get(name, 0) + count
                     rows_seen += sum(counts)
         finally:
             await reader.close()
@@ -317,10 +313,7 @@ class Session:
             # the data, knows other names: reduce over the union, in one order.
             local = names
             names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
-        totals = torch.tensor(
-            [sums.get(name, 0.0) for name in names] + [float(rows_of.get(name, 0)) for name in names] + [float(rows_seen)],
-            dtype=torch.float64,
-        )
+        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
         if runtime is not None:
             totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
         return names, totals

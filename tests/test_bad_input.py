@@ -79,9 +79,11 @@ async def test_empty_data() -> None:
     await refuse(gsync.ConfigError, "no batch", data=[])
 
 
-async def test_data_that_is_a_tensor_or_not_iterable() -> None:
+async def test_data_that_is_a_tensor_a_dict_or_not_iterable() -> None:
     await refuse(TypeError, "single tensor", data=torch.zeros(4, 12))
     await refuse(TypeError, "iterable", data=42)
+    # One batch as a dict, not a list of batches: its keys would be read as batches.
+    await refuse(TypeError, "data is a dict", data={"x": torch.zeros(4, 12), "y": torch.zeros(4, dtype=torch.long)})
 
 
 async def test_one_shot_iterator_over_several_epochs() -> None:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# The multi-process tests' helper, found as conftest is: pytest puts tests/ on the path.
 from multiproc.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -358,6 +358,17 @@ async def test_data_that_fails_to_start_an_epoch_raises_data_failed_and_keeps_th
     assert caught.value.last_step == 3 and caught.value.checkpoint.step == 3
 
 
+async def test_a_gsync_error_from_the_users_data_is_a_data_failure_too() -> None:
+    def nested() -> Any:
+        yield from make_batches(2, 8)
+        raise gsync.ConfigError("raised by a session the loader runs itself")
+
+    with pytest.raises(gsync.DataFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), nested(), optimizer=sgd, loss_fn=classification_loss)
+    assert caught.value.step == 2 and isinstance(caught.value.__cause__, gsync.ConfigError)
+    assert caught.value.last_step == 1
+
+
 class _FailsOnRead:
     def __init__(self, batches: list[Any], fail_at: int) -> None:
         self.batches, self.fail_at, self.reads = batches, fail_at, 0

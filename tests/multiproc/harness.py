@@ -2,8 +2,8 @@
 
 Each rank is a fresh ``python -c`` child with ``MASTER_ADDR=127.0.0.1``, a
 free ``MASTER_PORT``, and ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-``LOCAL_WORLD_SIZE`` set. The child takes the parent's ``sys.path`` (so a
-test module's imports, ``conftest`` included, resolve as under pytest),
+``LOCAL_WORLD_SIZE`` set. The child puts the parent's ``sys.path`` first (so
+a test module's imports, ``conftest`` included, resolve as under pytest),
 imports the function's module from its file, calls ``fn(*args)`` and pickles
 the return value (or the exception's type, message and traceback) to a file
 the parent reads.
@@ -44,9 +44,10 @@ FAILURE_GRACE_S = 5.0
 _BOOT = r"""
 import faulthandler, importlib.util, json, os, pickle, signal, sys, traceback
 path, name, func, args_path, result_path, dump_after, parent, parent_path = sys.argv[1:9]
-# The parent's import path, as multiprocessing's spawn passes it: the module and
-# what it imports (and the args' pickled classes) resolve as they did in the parent.
-sys.path[:] = json.loads(parent_path)
+# The parent's import path first, as multiprocessing's spawn passes it: the module
+# and what it imports (and the args' pickled classes) resolve as in the parent.
+parent_path = json.loads(parent_path)
+sys.path[:] = parent_path + [entry for entry in sys.path if entry not in parent_path]
 if sys.platform == "linux":
     # Die with the parent, even if it is killed before it can kill us.
     import ctypes
@@ -209,7 +210,7 @@ def run_ranks(
                     proc = subprocess.Popen(
                         [sys.executable, "-c", _BOOT, str(path), fn.__module__, fn.__name__, str(args_path),
                          str(workdir / f"result{rank}.pkl"), str(max(timeout - 2.0, 0.5)), str(os.getpid()),
-                         json.dumps(sys.path)],
+                         json.dumps([entry for entry in sys.path if isinstance(entry, str)])],
                         env=_rank_env(rank, world_size, port, env),
                         stdin=subprocess.DEVNULL,
                         stdout=stderr,
@@ -292,6 +293,10 @@ def _collect(workdir: Path, rank: int, returncode: int | None, killed: bool) -> 
 
 def selftest_echo(tag: str) -> dict[str, str]:
     return {"tag": tag, "pid": str(os.getpid()), **{k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}}
+
+
+def selftest_import_path() -> list[str]:
+    return list(sys.path)
 
 
 def selftest_fail_on(rank: int) -> str:

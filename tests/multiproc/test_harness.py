@@ -6,6 +6,7 @@ These use the harness's own torch-free functions, so each spawn costs well under
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -16,6 +17,7 @@ from harness import (
     selftest_fail_on,
     selftest_fail_one_hang_others,
     selftest_hang,
+    selftest_import_path,
     selftest_return_then_abort,
 )
 
@@ -39,6 +41,16 @@ def test_each_rank_gets_torchrun_like_environment_and_returns_a_value() -> None:
     assert {v["MASTER_ADDR"] for v in values} == {"127.0.0.1"}
     assert len({v["MASTER_PORT"] for v in values}) == 1
     assert {v["tag"] for v in values} == {"hi"}
+
+
+def test_a_rank_imports_from_the_parents_path_first_and_keeps_its_own_extras(tmp_path: os.PathLike[str]) -> None:
+    extra = str(tmp_path)
+    (rank,) = run_ranks(selftest_import_path, 1, timeout=20, env={"PYTHONPATH": extra}, check=True)
+    path = rank.value
+    # What the test modules import from tests/ (conftest) resolves in the rank as in the parent...
+    assert path[: len(sys.path)] == sys.path
+    # ... and what the rank's own environment adds is still there, after it.
+    assert extra in path[len(sys.path) :]
 
 
 def test_an_exception_in_one_rank_is_collected_with_its_traceback() -> None:
