@@ -62,7 +62,9 @@ def check_batch_source(data: object) -> None:
     if isinstance(data, torch.Tensor):
         raise InputTypeError("data is a single tensor; pass an iterable of batches, e.g. [tensor] or a DataLoader")
     if isinstance(data, Mapping):
-        raise InputTypeError("data is a dict (one batch?), and iterating it gives its keys; pass an iterable of batches, e.g. [batch]")
+        raise InputTypeError(
+            "data is a dict (one batch?), and iterating it gives its keys; pass an iterable of batches, e.g. [batch]"
+        )
     if not isinstance(data, (Iterable, AsyncIterable)):
         raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
 
