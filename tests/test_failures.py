@@ -310,14 +310,20 @@ async def test_replica_divergence_is_detected() -> None:
     assert caught.value.last_step is not None
 
 
-async def test_data_iterator_failure_names_the_step() -> None:
+@pytest.mark.parametrize(
+    "cause",
+    # A gsync error the user's data raises (from a session of its own) is a failure of that data too.
+    [OSError("disk gone"), gsync.ConfigError("raised by a session the loader runs itself")],
+    ids=["os-error", "gsync-error"],
+)
+async def test_data_iterator_failure_names_the_step(cause: Exception) -> None:
     def broken() -> Any:
         yield from make_batches(2, 8)
-        raise OSError("disk gone")
+        raise cause
 
     with pytest.raises(gsync.DataFailed) as caught:
         await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), broken(), optimizer=sgd, loss_fn=classification_loss)
-    assert caught.value.step == 2 and isinstance(caught.value.__cause__, OSError)
+    assert caught.value.step == 2 and caught.value.__cause__ is cause
     assert caught.value.last_step == 1
 
 
@@ -356,17 +362,6 @@ async def test_data_that_fails_to_start_an_epoch_raises_data_failed_and_keeps_th
     assert caught.value.step == 4 and isinstance(caught.value.__cause__, OSError)
     # Every step of the first epoch ran, the one read ahead included, and nothing of them is lost.
     assert caught.value.last_step == 3 and caught.value.checkpoint.step == 3
-
-
-async def test_a_gsync_error_from_the_users_data_is_a_data_failure_too() -> None:
-    def nested() -> Any:
-        yield from make_batches(2, 8)
-        raise gsync.ConfigError("raised by a session the loader runs itself")
-
-    with pytest.raises(gsync.DataFailed) as caught:
-        await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), nested(), optimizer=sgd, loss_fn=classification_loss)
-    assert caught.value.step == 2 and isinstance(caught.value.__cause__, gsync.ConfigError)
-    assert caught.value.last_step == 1
 
 
 class _FailsOnRead:

@@ -55,8 +55,8 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
 
     ``WorkerFailed`` reports its device, step and site with its cause's type
     and message; ``SyncFailed``, ``SyncTimeout`` and ``DataFailed`` report
-    the step and their site (a collective, ``"evaluate"``, ...); other errors that name a device and step (``NonFiniteLoss``)
-    report those; anything else is reported with its type and message. A
+    the step and their site (a collective, ``"evaluate"``, ...); other errors
+    that name a device and step (``NonFiniteLoss``) report those; anything else is reported with its type and message. A
     :class:`PeerFailed` is a consequence of another rank's report: do not
     report it again; a :class:`PeerLost` is reported (the lost ranks cannot
     report themselves), and peers read it as :class:`PeerFailed` with
