@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
+import torch
 
 T = TypeVar("T")
 
@@ -161,12 +162,21 @@ class WorkerThread:
     that ended is awaited until the jobs queued behind it end too, so it is
     only for jobs whose results are waited for together anyway (a step waits
     for every device). A failure is reported at once.
+
+    With ``torch_threads``, torch runs the thread's kernels on that many
+    intra-op threads (its own OpenMP team), where by default it would use
+    the creating thread's count. ``torch.set_num_threads`` also sets the
+    count that threads started later begin with; the thread sets it back to
+    the creating thread's count as it exits, so threads of the user's
+    started after the session get what they would have without it.
     """
 
-    def __init__(self, name: str, loop: LoopHandle, hold_reports: bool = False) -> None:
+    def __init__(self, name: str, loop: LoopHandle, hold_reports: bool = False, torch_threads: int | None = None) -> None:
         self.name = name
         self._loop = loop
         self._hold_reports = hold_reports
+        self._torch_threads = torch_threads
+        self._creator_torch_threads = torch.get_num_threads() if torch_threads is not None else None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
         self._exit_seen = anyio.Event()
@@ -177,6 +187,8 @@ class WorkerThread:
     def _serve(self) -> None:
         # With hold_reports: reports of jobs that ran back to back, held until the thread runs out of jobs.
         held: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
         try:
             while True:
                 if held and (not self._hold_reports or self._jobs.empty()):
@@ -194,6 +206,8 @@ class WorkerThread:
                         self._loop.call_soon_each(held)
                         held = []
         finally:
+            if self._creator_torch_threads is not None:
+                torch.set_num_threads(self._creator_torch_threads)
             if held:
                 self._loop.call_soon_each(held)
             self._exited.set()

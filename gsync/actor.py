@@ -84,7 +84,11 @@ class DeviceActor:
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
         self.shards: Mailbox[Shard] = Mailbox(f"shards of {spec.name}", context.loop)
         """The session posts each step's shard here, and closes it at the end of the data."""
-        self.worker = worker if worker is not None else WorkerThread(f"gsync-device-{index}", context.loop)
+        self.worker = (
+            worker
+            if worker is not None
+            else WorkerThread(f"gsync-device-{index}", context.loop, torch_threads=context.intra_op_threads)
+        )
         """The thread that runs this device's jobs: its own, or one its process's CPU devices share."""
         self._shares_thread = worker is not None
         self.queued = False

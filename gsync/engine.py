@@ -94,20 +94,29 @@ class Engine:
     :param device_threads: which OS threads run the devices' forward,
         backward and optimizer steps. ``"per_device"``: one thread per device,
         so devices compute at the same time (what GPUs need, to launch their
-        kernels concurrently). ``"shared"``: this process's CPU devices take
-        turns on one thread. Each CPU kernel already uses every core (torch's
-        intra-op threads), so threads per CPU device add no parallelism, only
-        contention for the GIL: with 8 CPU devices on a model of small
-        tensors, one shared thread took 0.72x the time of eight, and 2
-        devices of a 10M-parameter MLP were no slower on one (see the
-        README). ``"auto"`` (default): ``"shared"`` when this process has
-        several devices and all are CPUs, else ``"per_device"``. Sharing
-        applies to CPU devices only. A device's wait for its turn counts
-        against no timeout: each device gets ``sync_timeout`` for its own
-        work. On a shared thread, code of yours that waits for another
-        device inside a device's job (a ``loss_fn``, a hook, a custom
-        autograd Function that waits on a peer) waits for a device that
-        cannot run until it returns: use ``"per_device"`` for that.
+        kernels concurrently). On CPU the process's cores are split among
+        the device threads (and gsync's communication thread): each runs
+        torch with ``torch.get_num_threads() // len(devices)`` intra-op
+        threads (at least one), as torchrun gives each of its processes one
+        rather than letting every process use every core. ``"shared"``:
+        this process's CPU devices take turns on one thread, each kernel on
+        every core (torch's intra-op threads); no two device threads then
+        compete for the GIL, which pays where kernels are short: 8 CPU
+        devices on a model of small tensors took 0.72x the time on one
+        shared thread that they took on eight. ``"auto"`` (default): on CPU,
+        ``"per_device"`` while each device gets a core of its own
+        (``len(devices) <= torch.get_num_threads()`` when the engine is
+        built) and ``"shared"`` beyond; on GPUs ``"per_device"``. (Two
+        devices of a 10M-parameter MLP on 2 cores took 0.92x the time with a
+        thread and a core each than taking turns on both cores: torch splits
+        such kernels over two cores less well than two replicas split them;
+        see the README.) Sharing applies to CPU devices only. A device's
+        wait for its turn counts against no timeout: each device gets
+        ``sync_timeout`` for its own work. On a shared thread, code of yours
+        that waits for another device inside a device's job (a ``loss_fn``,
+        a hook, a custom autograd Function that waits on a peer) waits for a
+        device that cannot run until it returns: use ``"per_device"`` for
+        that.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -154,7 +163,9 @@ class Engine:
                 f"{', '.join(s.name for s in self.devices if s.torch_device.type != 'cpu')} each need their own "
                 "thread to launch kernels while the others do: use 'per_device' or 'auto'"
             )
-        shared = device_threads == "shared" or (device_threads == "auto" and on_cpu and len(self.devices) > 1)
+        shared = device_threads == "shared" or (
+            device_threads == "auto" and on_cpu and len(self.devices) > torch.get_num_threads()
+        )
         self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
         self.devices_in_turn = len(self.devices) if on_cpu else 1
@@ -172,6 +183,15 @@ class Engine:
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
         every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
         self._running = False
+
+    def intra_op_threads(self) -> int | None:
+        """Torch intra-op threads for each of a session's device threads (and its communication thread): this
+        process's cores split among its CPU devices when each has a thread of its own; ``None`` otherwise (each
+        thread uses the count of the thread that opens the session)."""
+        on_cpu = all(spec.torch_device.type == "cpu" for spec in self.devices)
+        if self.device_threads != "per_device" or not on_cpu or len(self.devices) < 2:
+            return None
+        return max(1, torch.get_num_threads() // len(self.devices))
 
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"

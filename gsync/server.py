@@ -72,7 +72,7 @@ class SyncServer:
         rebuild: PlanRebuild | None = None,
     ) -> None:
         self.mailbox = mailbox
-        self.comm = WorkerThread("gsync-comm", context.loop)
+        self.comm = WorkerThread("gsync-comm", context.loop, torch_threads=context.intra_op_threads)
         self.bucket_ready_received = 0
         self.steps_synced = 0
         self.skipped_steps: list[int] = []

@@ -23,11 +23,51 @@ from conftest import TiedNet, assert_same_state, classification_loss, make_batch
 DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 
 
-def test_cpu_devices_share_one_thread_unless_asked_otherwise() -> None:
-    assert gsync.Engine(["cpu:0", "cpu:1"]).device_threads == "shared"
-    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="shared").device_threads == "shared"
-    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").device_threads == "per_device"
+def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyond(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    two = gsync.Engine(["cpu:0", "cpu:1"])
+    assert two.device_threads == "per_device" and two.intra_op_threads() == 1
+    assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).device_threads == "shared"
+    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="shared").intra_op_threads() is None
+    assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], device_threads="per_device").intra_op_threads() == 1
     assert gsync.Engine(["cpu"]).device_threads == "per_device"  # nothing to share
+    assert gsync.Engine(["cpu"]).intra_op_threads() is None  # nor anything to split
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).intra_op_threads() == 2
+
+
+@pytest.mark.asyncio
+async def test_cpu_device_threads_split_the_cores_and_leave_later_threads_the_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each device thread and the communication thread run torch on their share of the cores; a thread started
+    after the session gets the count it would have had without it."""
+    seen: dict[str, int] = {}
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        seen[threading.current_thread().name] = torch.get_num_threads()
+        return classification_loss(model, batch)
+
+    reduce = gsync.LocalCollective.all_reduce_each
+
+    def all_reduce_each(self: gsync.LocalCollective, *args: object) -> None:
+        seen[threading.current_thread().name] = torch.get_num_threads()
+        reduce(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gsync.LocalCollective, "all_reduce_each", all_reduce_each)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        engine = gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device")
+        await engine.fit(TiedNet(), make_batches(2, 12), optimizer=sgd, loss_fn=loss_fn)
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"gsync-device-0": 2, "gsync-device-1": 2, "gsync-comm": 2}
+    assert later == [4]
 
 
 def test_a_device_threads_setting_that_does_not_exist_is_refused() -> None:

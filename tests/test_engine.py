@@ -176,7 +176,7 @@ async def test_generator_data_is_read_off_the_loop(no_leaks: None) -> None:
 
 @pytest.mark.parametrize(
     ("device_threads", "names"),
-    [("auto", {"gsync-devices"}), ("shared", {"gsync-devices"}), ("per_device", {"gsync-device-0", "gsync-device-1"})],
+    [("shared", {"gsync-devices"}), ("per_device", {"gsync-device-0", "gsync-device-1"})],
 )
 async def test_forward_backward_and_step_run_off_the_event_loop(device_threads: str, names: set[str]) -> None:
     loop_thread = threading.get_ident()

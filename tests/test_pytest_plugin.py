@@ -171,7 +171,7 @@ def test_a_test_that_leaves_a_gsync_thread_running_fails_naming_it(user_project:
 
 
         @pytest.mark.asyncio
-        @pytest.mark.gsync_engine(sync_timeout=1.0)
+        @pytest.mark.gsync_engine(sync_timeout=1.0, device_threads="shared")
         async def test_leaves_a_stuck_device(gsync_engine, gsync_faults):
             # Native code that ignores cancellation: the thread stays stuck until released, which this test forgets.
             gsync_faults.stall(device=1, step=1, site="forward", interruptible=False)
@@ -179,7 +179,7 @@ def test_a_test_that_leaves_a_gsync_thread_running_fails_naming_it(user_project:
                 await train(gsync_engine)
 
 
-        @pytest.mark.gsync_engine(sync_timeout=1.0)
+        @pytest.mark.gsync_engine(sync_timeout=1.0, device_threads="per_device")
         def test_a_sync_test_leaves_a_stuck_device(gsync_engine, gsync_faults):
             gsync_faults.stall(device=0, step=2, site="backward", interruptible=False)
             with pytest.raises(gsync.SyncTimeout):
@@ -213,7 +213,9 @@ def test_a_test_that_leaves_a_gsync_thread_running_fails_naming_it(user_project:
             "*Await every fit and session the test starts*",
         ]
     )
-    result.stdout.fnmatch_lines(["*test_a_sync_test_leaves_a_stuck_device left gsync running*", "*thread 'gsync-devices'"])
+    result.stdout.fnmatch_lines(
+        ["*test_a_sync_test_leaves_a_stuck_device left gsync running*", "*thread 'gsync-device-0'"]  # the stalled one
+    )
     failed = {line.split(" - ")[0] for line in result.stdout.lines if line.startswith("FAILED")}
     assert failed == {
         "FAILED test_user.py::test_leaves_a_stuck_device",
