@@ -335,34 +335,41 @@ def _settle(done: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -
             future.set_exception(error)
 
 
-async def handoff_floor(steps: int, warmup: int, replicas: int = 2, layers: int = TINY_LAYERS) -> dict[str, Any]:
+async def handoff_floor(steps: int, warmup: int, replicas: int = 2, layers: int = TINY_LAYERS,
+                        device_threads: str = "shared") -> dict[str, Any]:
     """Control-plane floor of gsync's design: :func:`sequential`'s work, split into the jobs gsync runs and
     handed out by an asyncio loop, with nothing else (no messages, mailboxes, buckets or timeouts).
 
-    Per step: each replica's forward, backward and loss read as one job on a worker thread the replicas share
-    (gsync's default on CPU), the gradient averaging as one job on a second thread (gsync's communication
-    thread), then each replica's optimizer step as one job on the worker thread; each phase's jobs are awaited
-    together. What gsync costs over this is its own machinery; what this costs over :func:`sequential` is the
-    design's (thread hand-offs, loop wake-ups, the GIL shared with the loop). Also returns the loop thread's
-    CPU time per step.
+    Per step: each replica's forward, backward and loss read as one job, on a worker thread the replicas share
+    (``device_threads="shared"``) or on the replica's own (``"per_device"``), as gsync runs them; the gradient
+    averaging as one job on a second thread (gsync's communication thread), then each replica's optimizer step
+    as one job on its worker thread; each phase's jobs are awaited together. What gsync costs over this is its
+    own machinery; what this costs over :func:`sequential` is the design's (thread hand-offs, loop wake-ups,
+    the GIL shared with the loop and among threads). Also returns the loop thread's CPU time per step.
     """
     loop = asyncio.get_running_loop()
     work = _TinyReplicas(replicas, layers)
     batches = make_tiny_batches(warmup + steps)
-    device, comm = _JobThread(loop, "handoff-device"), _JobThread(loop, "handoff-comm")
+    if device_threads == "shared":
+        shared = _JobThread(loop, "handoff-devices")
+        devices = [shared] * replicas
+    else:
+        devices = [_JobThread(loop, f"handoff-device-{r}") for r in range(replicas)]
+    comm = _JobThread(loop, "handoff-comm")
     window = Window()
     start = loop_cpu = 0.0
     try:
         for i, batch in enumerate(batches):
             if i == warmup:
                 start, loop_cpu = time.perf_counter(), time.thread_time()
-            await asyncio.gather(*(device.run(functools.partial(work.forward_backward, r, batch)) for r in range(replicas)))
+            await asyncio.gather(*(devices[r].run(functools.partial(work.forward_backward, r, batch)) for r in range(replicas)))
             await comm.run(work.average)
-            await asyncio.gather(*(device.run(optimizer.step) for optimizer in work.optimizers))
+            await asyncio.gather(*(device.run(optimizer.step) for device, optimizer in zip(devices, work.optimizers)))
         us_per_step = (time.perf_counter() - start) / steps * 1e6
         loop_cpu_us_per_step = (time.thread_time() - loop_cpu) / steps * 1e6
     finally:
-        device.stop()
+        for device in dict.fromkeys(devices):
+            device.stop()
         comm.stop()
     return {"window": window.stop(), "us_per_step": us_per_step, "loop_cpu_us_per_step": loop_cpu_us_per_step,
-            "params": len(work.params[0]), "replicas": replicas}
+            "params": len(work.params[0]), "replicas": replicas, "device_threads": device_threads}

@@ -37,10 +37,9 @@ def _devices(count: int) -> list[str]:
 
 class _ThreadProbe:
     """Records, per OS thread, ``torch.get_num_threads()`` as seen by that thread, and the
-    most OS threads the process had; optionally sets the thread count once per thread."""
+    most OS threads the process had."""
 
-    def __init__(self, set_threads: int | None = None) -> None:
-        self.set_threads = set_threads
+    def __init__(self) -> None:
         self.seen: dict[str, int] = {}
         self.max_os_threads = 0
         self.samples: list[tuple[float, int]] = []
@@ -58,8 +57,6 @@ class _ThreadProbe:
     def observe(self, replica: torch.nn.Module) -> None:
         name = threading.current_thread().name
         if name not in self.seen:
-            if self.set_threads is not None:
-                torch.set_num_threads(self.set_threads)
             with self._lock:
                 self.seen[name] = torch.get_num_threads()
         with self._lock:
@@ -85,8 +82,6 @@ async def gsync_steps(
     warmup: int = 5,
     bucket_cap_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
-    threads: int | None = None,
-    threads_mode: str = "main",
     loop: str = "fit",
     checkpoint_every: int | None = None,
     device_threads: str = "auto",
@@ -102,15 +97,10 @@ async def gsync_steps(
     traced fit of ``steps`` steps is measured. Step time = period between consecutive
     optimizer ends in the trace (the first period of the fit dropped).
 
-    ``device_threads``: ``gsync.Engine``'s setting. ``threads``: torch intra-op threads;
-    ``threads_mode`` "main" calls ``torch.set_num_threads`` in the main thread before the fit
-    (worker threads pick the value up when they first run an op), "in_thread" calls it inside
-    ``loss_fn`` once per worker thread.
+    ``device_threads``: ``gsync.Engine``'s setting.
     """
-    probe = _ThreadProbe(threads if threads_mode == "in_thread" else None)
+    probe = _ThreadProbe()
     comm_threads: dict[str, int] = {}
-    if threads is not None and threads_mode == "main":
-        torch.set_num_threads(threads)
 
     # Instrumentation only, in this worker process only: which torch thread count the
     # communication thread runs the in-process reduction with (a wrapper around
@@ -271,7 +261,8 @@ async def gsync_control_plane(
         systematically earlier than gsync's runs (the machine drifts)."""
 
         async def handed_out() -> float:
-            result = await baselines.handoff_floor(steps=extra_steps, warmup=10, replicas=devices, layers=layers)
+            result = await baselines.handoff_floor(steps=extra_steps, warmup=10, replicas=devices, layers=layers,
+                                                   device_threads=engine.device_threads)
             handoff_loop_cpu.append(result["loop_cpu_us_per_step"])
             return float(result["us_per_step"])
 
@@ -330,6 +321,7 @@ async def gsync_control_plane(
         "fixed_ms_per_fit": median(fixed) * 1e3,
         "buckets": stats.buckets,
         "devices": devices,
+        "device_threads": engine.device_threads,
         "messages_per_step": stats.bucket_ready_messages / stats.steps,
         "params": sum(1 for _ in model.parameters()),
     }

@@ -52,8 +52,7 @@ def step_ratios(configs: dict[str, Any]) -> dict[str, float]:
     for key, name in (
         ("gsync", "gsync"),
         ("gsync_session", "gsync session.step"),
-        ("gsync_per_device", "gsync(thread per device)"),
-        ("gsync_t1", "gsync(per device, threads=1)"),
+        ("gsync_shared", "gsync(one shared thread)"),
     ):
         if key not in configs:
             continue
@@ -98,7 +97,7 @@ def print_step(step: dict[str, Any]) -> None:
         target = TARGETS.get(re.sub(r"\(.*\)", "", name))
         verdict = "" if target is None else f"<= {target:.2f}  {'met' if value <= target else 'MISSED'}"
         print(f"  {name:42} {value:6.3f}   {verdict}")
-    for key in ("gsync", "gsync_t1"):
+    for key in ("gsync", "gsync_shared"):
         if key in configs:
             print_trace_analysis(configs[key]["label"], configs[key]["representative"], configs.get("floor_t1"))
 
@@ -139,8 +138,9 @@ def print_control(control: dict[str, Any]) -> None:
     threads = control.get("threads_no_sync")
     print("\n== 2. control-plane cost: 100 x Linear(8,8) (200 parameter tensors), batch 16 ==")
     print("  seq: the 2 replicas' work by hand in one plain thread (fwd/bwd each, grads averaged by hand, 2 optimizer\n"
-          "  steps); handoff: the same work as jobs an asyncio loop hands to two plain threads, as gsync does, with\n"
-          "  nothing else (the design's floor). Both run in gsync's process before and after each of its repeats")
+          "  steps); handoff: the same work as jobs an asyncio loop hands to plain threads as gsync runs them\n"
+          f"  ({(default or {}).get('device_threads', 'shared')} device threads and a communication thread), with "
+          "nothing else (the design's floor).\n  Both run in gsync's process before and after each of its repeats")
     if threads is not None:
         floor_us = threads["step"]["median_ms"] * 1e3
         print(f"  2 threads, one replica each, no sync at all (floor; barrier per step): "
@@ -221,7 +221,8 @@ def print_control8(control8: dict[str, Any]) -> None:
     params = next((r["params"] for _, r in rows if r is not None), None)
     print(f"\n== 2b. control plane at 8 devices: {_fmt(params, 'd')} parameter tensors (Linear(8,8)), batch 16 ==")
     print("  seq: the 8 replicas' work by hand in one plain thread (fwd/bwd each, grads averaged by hand, 8 optimizer\n"
-          "  steps); handoff: the same jobs handed out by an asyncio loop to two plain threads (the design's floor);\n"
+          "  steps); handoff: the same jobs handed out by an asyncio loop to plain threads as each row's gsync runs them\n"
+          "  (its device threads and a communication thread: the design's floor);\n"
           "  both measured in each gsync row's process before and after each of its repeats")
     threads = control8.get("threads")
     if threads is not None:
@@ -270,48 +271,6 @@ def print_sweeps(sweeps: dict[str, Any]) -> None:
         print(f"  {count:>7} {r['step']['median_ms']:7.1f}{noisy_mark(r)} {_fmt(ratio, '.2f'):>8} {_fmt(r['cpu_ms_per_step'], '.0f'):>11} "
               f"{_fmt(ar, '.0f'):>18} {_fmt(compute, '.0f'):>26} {r['max_os_threads']:>10} "
               f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
-
-
-def print_threads(threads: dict[str, Any]) -> None:
-    print("\n== 4c. torch intra-op threads inside gsync (2 devices, a thread per device, reference MLP) ==")
-    labels = {
-        "default": "default (nothing set)",
-        "main_set_1": "torch.set_num_threads(1) in main",
-        "main_set_2": "torch.set_num_threads(2) in main",
-        "in_thread_set_1": "set_num_threads(1) inside loss_fn",
-    }
-    print(f"  {'setting':36} {'ms/step':>8} {'workers see':>11} {'comm sees':>9} {'main sees':>9} {'OS thr':>6} "
-          f"{'fwd us':>7} {'bwd us':>7} {'opt us':>7} {'reduce us':>9} {'other load':>10}")
-    best = worst = None
-    for key, r in threads.items():
-        seen = r["torch_threads_seen"]
-        workers = ",".join(str(v) for v in seen["workers"].values())
-        comm = ",".join(str(v) for v in seen["comm"].values())
-        ph = r["phases"]
-        print(f"  {labels.get(key, key):36} {r['step']['median_ms']:7.1f}{noisy_mark(r)} {workers:>11} {comm:>9} {seen['main']:>9} "
-              f"{r['max_os_threads']:>6} {ph['forward']['mean_us']:7.0f} {ph['backward']['mean_us']:7.0f} "
-              f"{ph['optimizer']['mean_us']:7.0f} {ph.get('all_reduce', {}).get('total_per_step_us', 0):9.0f} "
-              f"{_fmt(r.get('other_load_cores'), '.2f'):>10}")
-        if noisy_mark(r) == "*":
-            continue  # disturbed by other load: not compared
-        if best is None or r["step"]["median_ms"] < best[1]:
-            best = (labels.get(key, key), r["step"]["median_ms"])
-        if worst is None or r["step"]["median_ms"] > worst[1]:
-            worst = (labels.get(key, key), r["step"]["median_ms"])
-    noise = 0.03
-    if "default" in threads and "main_set_2" in threads:
-        # The same setting measured twice: their difference is this run's noise.
-        a, b = threads["default"]["step"]["median_ms"], threads["main_set_2"]["step"]["median_ms"]
-        noise = max(noise, abs(a - b) / min(a, b))
-        print(f"  ('default' and 'set_num_threads(2) in main' are the same setting: {abs(a - b) / min(a, b):.1%} apart = noise)")
-    if best and worst:
-        spread = worst[1] / best[1] - 1
-        verdict = (f"within noise ({noise:.0%}): no setting is measurably faster" if spread <= noise
-                   else f"{spread:.0%} apart (noise {noise:.0%})")
-        print(f"  fastest: {best[0]} ({best[1]:.1f} ms/step); slowest: {worst[0]} ({worst[1]:.1f}); {verdict}")
-    print("  (torch.set_num_threads stores a process-wide value that each thread applies when it first runs a\n"
-          "   parallel op, and also sets the calling thread's own OpenMP count: set in main before fit, gsync's\n"
-          "   fresh worker/comm threads inherit it; set inside a worker, it changes that worker at once)")
 
 
 def print_checkpoint(checkpoint: dict[str, Any]) -> None:

@@ -9,8 +9,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
 
 - ``step``: reference MLP (784-2048-2048-2048-10, batch 256, SGD momentum) median ms/step for
   one plain process, the 2-replica compute floor (two threads, no sync), gsync on 2 CPU
-  devices (through ``fit`` and through a plain ``for`` loop over ``session.step``, on the shared
-  thread; and with a thread per device, with 2 or 1 torch threads each), torch DDP gloo
+  devices (through ``fit`` and through a plain ``for`` loop over ``session.step``, with gsync's
+  default threads; and on one thread the devices share), torch DDP gloo
   (2 processes x 1 thread), with ratios and gsync's trace analysis
 - ``memory``: peak RSS per configuration (each measured in its own fresh process)
 - ``control``: control-plane cost on 200 tiny parameter tensors (gsync against the same work
@@ -20,7 +20,6 @@ Sections (``--only`` takes a comma-separated subset; default all):
   done sequentially in one thread (paired as in ``control``): ms/step, ratio, event-loop CPU,
   BucketReady messages, thread posts and loop wake-ups per step, loop CPU per message
 - ``sweeps``: gsync step time vs bucket_cap_mb and vs device count
-- ``threads``: torch.set_num_threads(1 vs 2) as gsync's worker threads actually see it (a thread per device)
 - ``checkpoint`` (full mode, or on request): gsync's step time with ``fit(checkpoint_dir=...)`` writing
   every step and every 50 steps, against none (100 measured steps each)
 - ``ablation`` (full mode, or on request): the 2-replica floor holding gradients the way gsync
@@ -54,9 +53,9 @@ from bench import report  # noqa: E402
 from bench.common import NOISY_CORES, median, other_load, system_busy_s  # noqa: E402
 from bench.isolate import ROOT, TaskFailed, run_ranks, run_task  # noqa: E402
 
-SECTIONS = ("step", "memory", "control", "control8", "sweeps", "threads", "checkpoint", "ablation", "compression",
+SECTIONS = ("step", "memory", "control", "control8", "sweeps", "checkpoint", "ablation", "compression",
             "multiprocess")
-QUICK_DEFAULT = ("step", "memory", "control", "control8", "sweeps", "threads")  # the rest only on request in --quick
+QUICK_DEFAULT = ("step", "memory", "control", "control8", "sweeps")  # the rest only on request in --quick
 FULL_DEFAULT = SECTIONS[:-1]  # multiprocess is a subset of compression
 
 
@@ -100,10 +99,9 @@ STEP_CONFIGS: tuple[tuple[str, str], ...] = (
     ("gsync_1", "gsync 1 x cpu (default threads)"),
     ("floor_t1", "floor: 2 threads x set_num_threads(1)"),
     ("floor_inherit", "floor: 2 threads, inherited threads"),
-    ("gsync", "gsync 2 x cpu (default: shared thread)"),
+    ("gsync", "gsync 2 x cpu (default threads)"),
     ("gsync_session", "gsync 2 x cpu, session.step loop"),
-    ("gsync_per_device", "gsync 2 x cpu, a thread per device"),
-    ("gsync_t1", "gsync 2 x cpu, per device x 1 thread"),
+    ("gsync_shared", "gsync 2 x cpu, one shared thread"),
     ("ddp", "DDP gloo, 2 procs x 1 thread"),
 )
 
@@ -212,12 +210,8 @@ class Runner:
             return self.task(label, "gsync", steps=steps, warmup=warmup, devices=1)
         if key == "gsync_session":
             return self.task(label, "gsync", steps=steps, warmup=warmup, loop="session")
-        if key == "gsync_per_device":
-            return self.task(label, "gsync", steps=steps, warmup=warmup, device_threads="per_device")
-        if key == "gsync_t1":
-            # One intra-op thread each only makes sense with a thread per device.
-            return self.task(label, "gsync", steps=steps, warmup=warmup, threads=1, threads_mode="main",
-                             device_threads="per_device")
+        if key == "gsync_shared":
+            return self.task(label, "gsync", steps=steps, warmup=warmup, device_threads="shared")
         if key == "ddp":
             return self.ddp(label, steps, warmup)
         raise KeyError(key)
@@ -367,31 +361,6 @@ def section_sweeps(runner: Runner, bucket_caps: list[float], device_counts: list
             devices[str(count)] = result
             runner.log(f"  -> {result['step']['median_ms']:.1f} ms/step")
     return {"bucket_cap_mb": buckets, "devices": devices}
-
-
-def section_threads(runner: Runner, step: dict[str, Any] | None) -> dict[str, Any]:
-    """gsync 2 devices, a thread per device, with torch threads left at the default (2), set to 1 in the
-    main thread before fit, and set to 1 inside loss_fn (i.e. inside each worker thread)."""
-    plan = runner.plan
-    steps, warmup = plan.sweep_steps, plan.sweep_warmup
-    out: dict[str, Any] = {}
-    reuse = step["configs"] if step is not None else {}
-    per_device = {"steps": steps, "warmup": warmup, "device_threads": "per_device"}
-    if "gsync_per_device" in reuse:
-        out["default"] = _representative(step, "gsync_per_device")
-    else:
-        out["default"] = runner.task("threads: gsync, default", "gsync", **per_device)
-    if "gsync_t1" in reuse:
-        out["main_set_1"] = _representative(step, "gsync_t1")
-    else:
-        out["main_set_1"] = runner.task("threads: gsync, set_num_threads(1) in main", "gsync", threads=1,
-                                        threads_mode="main", **per_device)
-    out["in_thread_set_1"] = runner.task("threads: gsync, set_num_threads(1) inside loss_fn", "gsync", threads=1,
-                                         threads_mode="in_thread", **per_device)
-    if runner.plan.repeats > 1:  # full mode: also check that setting 2 explicitly equals the default
-        out["main_set_2"] = runner.task("threads: gsync, set_num_threads(2) in main", "gsync", threads=2,
-                                        threads_mode="main", **per_device)
-    return {key: value for key, value in out.items() if value is not None}
 
 
 CHECKPOINT_STEPS = 100
@@ -572,9 +541,6 @@ def main(argv: list[str] | None = None) -> int:
         counts = [int(c) for c in args.device_counts.split(",")]
         results["sweeps"] = section_sweeps(runner, caps, counts, step)
         report.print_sweeps(results["sweeps"])
-    if "threads" in sections:
-        results["threads"] = section_threads(runner, step)
-        report.print_threads(results["threads"])
 
     if "checkpoint" in sections:
         results["checkpoint"] = section_checkpoint(runner)
