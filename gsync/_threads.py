@@ -166,8 +166,9 @@ class WorkerThread:
     With ``torch_threads``, torch runs the thread's kernels on that many
     intra-op threads (its own OpenMP team), where by default it would use
     the creating thread's count. ``torch.set_num_threads`` also sets the
-    count that threads started later begin with; the thread sets it back to
-    the creating thread's count as it exits, so threads of the user's
+    count that threads started later begin with (a thread the user starts
+    during the session begins with the device threads' share); the thread
+    sets it back to the creating thread's count as it exits, so threads
     started after the session get what they would have without it.
     """
 

@@ -100,23 +100,23 @@ class Engine:
         threads (at least one), as torchrun gives each of its processes one
         rather than letting every process use every core. ``"shared"``:
         this process's CPU devices take turns on one thread, each kernel on
-        every core (torch's intra-op threads); no two device threads then
+        every core (torch's intra-op threads), and no two device threads
         compete for the GIL, which pays where kernels are short: 8 CPU
-        devices on a model of small tensors took 0.72x the time on one
+        devices on a model of small tensors took 0.48-0.73x the time on one
         shared thread that they took on eight. ``"auto"`` (default): on CPU,
-        ``"per_device"`` while each device gets a core of its own
+        ``"per_device"`` while each device can have a core of its own
         (``len(devices) <= torch.get_num_threads()`` when the engine is
         built) and ``"shared"`` beyond; on GPUs ``"per_device"``. (Two
-        devices of a 10M-parameter MLP on 2 cores took 0.92x the time with a
-        thread and a core each than taking turns on both cores: torch splits
-        such kernels over two cores less well than two replicas split them;
-        see the README.) Sharing applies to CPU devices only. A device's
-        wait for its turn counts against no timeout: each device gets
-        ``sync_timeout`` for its own work. On a shared thread, code of yours
-        that waits for another device inside a device's job (a ``loss_fn``,
-        a hook, a custom autograd Function that waits on a peer) waits for a
-        device that cannot run until it returns: use ``"per_device"`` for
-        that.
+        devices of a 10M-parameter MLP on 2 cores took 0.84-1.00x the time
+        with a thread and a core each that they took taking turns on both
+        cores: torch splits one replica's kernels over two cores less well
+        than two replicas split the cores. See the README.) Sharing applies
+        to CPU devices only. A device's wait for its turn counts against no
+        timeout: each device gets ``sync_timeout`` for its own work. On a
+        shared thread, code of yours that waits for another device inside a
+        device's job (a ``loss_fn``, a hook, a custom autograd Function that
+        waits on a peer) waits for a device that cannot run until it
+        returns: use ``"per_device"`` for that.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
