@@ -345,7 +345,9 @@ async def handoff_floor(steps: int, warmup: int, replicas: int = 2, layers: int 
     averaging as one job on a second thread (gsync's communication thread), then each replica's optimizer step
     as one job on its worker thread; each phase's jobs are awaited together. What gsync costs over this is its
     own machinery; what this costs over :func:`sequential` is the design's (thread hand-offs, loop wake-ups,
-    the GIL shared with the loop and among threads). Also returns the loop thread's CPU time per step.
+    the GIL shared with the loop and among threads). Also returns the loop thread's CPU time per step. (Its
+    threads keep the process's torch thread count, where gsync's split the cores: Linear(8, 8)'s kernels are too
+    small for torch to run on more than one thread either way.)
     """
     loop = asyncio.get_running_loop()
     work = _TinyReplicas(replicas, layers)

@@ -1,6 +1,5 @@
-"""gsync measurements: reference step time (with trace analysis), control-plane cost,
-the torch-threads experiment, and one rank of gsync across processes. Each function runs
-in a fresh worker process."""
+"""gsync measurements: reference step time (with trace analysis), control-plane cost, and
+one rank of gsync across processes. Each function runs in a fresh worker process."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ the loop and the loop never blocks on them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -20,6 +21,9 @@ import anyio
 import torch
 
 T = TypeVar("T")
+
+THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
+"""Each thread can run torch's kernels on its own number of intra-op threads (OpenMP's per-thread count)."""
 
 __all__ = ("FitAborted", "JobTimedOut", "LoopEvent", "LoopHandle", "Outcome", "WorkerThread")
 
@@ -163,21 +167,25 @@ class WorkerThread:
     only for jobs whose results are waited for together anyway (a step waits
     for every device). A failure is reported at once.
 
-    With ``torch_threads``, torch runs the thread's kernels on that many
-    intra-op threads (its own OpenMP team), where by default it would use
-    the creating thread's count. ``torch.set_num_threads`` also sets the
-    count that threads started later begin with (a thread the user starts
-    during the session begins with the device threads' share); the thread
-    sets it back to the creating thread's count as it exits, so threads
-    started after the session get what they would have without it.
+    The thread runs torch's kernels on ``torch_threads`` intra-op threads
+    (its own OpenMP team), or by default on as many as the creating thread
+    had. It sets its count as it starts even then: a thread reads the count
+    it starts with from a process-wide value, which another session's
+    device threads may have set to their share of the cores. That value is
+    also what a thread the user starts during such a session begins with;
+    a thread given ``torch_threads`` sets it back to the creating thread's
+    count as it exits, so threads started afterwards get what they would
+    have had without gsync. Only under OpenMP, torch's parallel backend on
+    the Linux and Windows builds: its native backend has one pool of
+    threads per process, fixed once it has run.
     """
 
     def __init__(self, name: str, loop: LoopHandle, hold_reports: bool = False, torch_threads: int | None = None) -> None:
         self.name = name
         self._loop = loop
         self._hold_reports = hold_reports
-        self._torch_threads = torch_threads
-        self._creator_torch_threads = torch.get_num_threads() if torch_threads is not None else None
+        self._creator_torch_threads = torch.get_num_threads()
+        self._torch_threads = torch_threads if torch_threads is not None else self._creator_torch_threads
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._exited = threading.Event()
         self._exit_seen = anyio.Event()
@@ -188,9 +196,9 @@ class WorkerThread:
     def _serve(self) -> None:
         # With hold_reports: reports of jobs that ran back to back, held until the thread runs out of jobs.
         held: list[tuple[Callable[..., object], tuple[object, ...]]] = []
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
         try:
+            if THREADS_PER_THREAD:
+                torch.set_num_threads(self._torch_threads)
             while True:
                 if held and (not self._hold_reports or self._jobs.empty()):
                     self._loop.call_soon_each(held)
@@ -207,8 +215,9 @@ class WorkerThread:
                         self._loop.call_soon_each(held)
                         held = []
         finally:
-            if self._creator_torch_threads is not None:
-                torch.set_num_threads(self._creator_torch_threads)
+            if THREADS_PER_THREAD and self._torch_threads != self._creator_torch_threads:
+                with contextlib.suppress(Exception):  # a count not restored must not keep the thread from ending
+                    torch.set_num_threads(self._creator_torch_threads)
             if held:
                 self._loop.call_soon_each(held)
             self._exited.set()

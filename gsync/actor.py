@@ -84,13 +84,12 @@ class DeviceActor:
         self.mailbox: Mailbox[DeviceMessage] = Mailbox(f"device {spec.name}", context.loop)
         self.shards: Mailbox[Shard] = Mailbox(f"shards of {spec.name}", context.loop)
         """The session posts each step's shard here, and closes it at the end of the data."""
-        self.worker = (
-            worker
-            if worker is not None
-            else WorkerThread(f"gsync-device-{index}", context.loop, torch_threads=context.intra_op_threads)
-        )
-        """The thread that runs this device's jobs: its own, or one its process's CPU devices share."""
         self._shares_thread = worker is not None
+        if worker is None:
+            threads = None if context.intra_op_threads is None else context.intra_op_threads[0]
+            worker = WorkerThread(f"gsync-device-{index}", context.loop, torch_threads=threads)
+        self.worker = worker
+        """The thread that runs this device's jobs: its own, or one its process's CPU devices share."""
         self.queued = False
         """A job of this device waits for the shared thread, behind another device's (read by the sync server
         and the heartbeat: a device held up by another is not the one to blame)."""

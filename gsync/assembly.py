@@ -121,7 +121,7 @@ def assemble(
         grads_in_place=grads_in_place,
         alone=alone,
         shared_thread=engine.device_threads == "shared",
-        intra_op_threads=engine.intra_op_threads(),
+        intra_op_threads=engine.intra_op_threads,
         # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
         # thread the devices take turns anyway.
         first_step=(

@@ -207,10 +207,9 @@ class ActorContext:
     """One device in the whole run, without compression: a reduction is the identity."""
     shared_thread: bool = False
     """This process's devices take turns on one compute thread (``Engine(device_threads=...)``)."""
-    intra_op_threads: int | None = None
-    """Torch intra-op threads for each device thread and the communication thread: this process's CPU devices,
-    each on a thread of its own, split its cores (``torch.get_num_threads()``) among them, as torchrun gives each
-    of its processes one. ``None``: each thread uses the count of the thread that opened the session."""
+    intra_op_threads: tuple[int, int] | None = None
+    """Torch intra-op threads for each device thread and for the communication thread, where this process's CPU
+    devices split its cores (``Engine.intra_op_threads``); ``None``: the count of the thread that opens the session."""
 
 
 class DeviceEndpoint(Protocol):

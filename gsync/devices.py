@@ -1,9 +1,10 @@
 """Device names: parsing, validation, defaults.
 
 ``"cpu:N"`` names the N-th *virtual* CPU device: all share the host CPU, each
-gets its own replica (and, with ``Engine(device_threads="per_device")``, its
-own worker thread). torch itself only knows one CPU device, so the index is
-gsync's, and tensors live on ``torch.device("cpu")``.
+gets its own replica (and, while each can have a core, its own worker thread
+and share of the cores: see ``Engine(device_threads=...)``). torch itself
+only knows one CPU device, so the index is gsync's, and tensors live on
+``torch.device("cpu")``.
 """
 
 from __future__ import annotations

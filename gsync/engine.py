@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._threads import THREADS_PER_THREAD
 from .checkpoint import Checkpoint
 from .checkpointing import CheckpointSettings, resolve_resume
 from .comm.compressed import CompressionHook, resolve_compression
@@ -94,29 +95,33 @@ class Engine:
     :param device_threads: which OS threads run the devices' forward,
         backward and optimizer steps. ``"per_device"``: one thread per device,
         so devices compute at the same time (what GPUs need, to launch their
-        kernels concurrently). On CPU the process's cores are split among
-        the device threads (and gsync's communication thread): each runs
-        torch with ``torch.get_num_threads() // len(devices)`` intra-op
-        threads (at least one), as torchrun gives each of its processes one
-        rather than letting every process use every core. ``"shared"``:
-        this process's CPU devices take turns on one thread, each kernel on
-        every core (torch's intra-op threads), and no two device threads
-        compete for the GIL, which pays where kernels are short: 8 CPU
-        devices on a model of small tensors took 0.48-0.73x the time on one
-        shared thread that they took on eight. ``"auto"`` (default): on CPU,
-        ``"per_device"`` while each device can have a core of its own
-        (``len(devices) <= torch.get_num_threads()`` when the engine is
-        built) and ``"shared"`` beyond; on GPUs ``"per_device"``. (Two
-        devices of a 10M-parameter MLP on 2 cores took 0.84-1.00x the time
-        with a thread and a core each that they took taking turns on both
-        cores: torch splits one replica's kernels over two cores less well
-        than two replicas split the cores. See the README.) Sharing applies
-        to CPU devices only. A device's wait for its turn counts against no
-        timeout: each device gets ``sync_timeout`` for its own work. On a
-        shared thread, code of yours that waits for another device inside a
-        device's job (a ``loss_fn``, a hook, a custom autograd Function that
-        waits on a peer) waits for a device that cannot run until it
-        returns: use ``"per_device"`` for that.
+        kernels concurrently). On CPU the process's cores
+        (``torch.get_num_threads()`` as the engine is built) are split among
+        the device threads, as torchrun gives each of its processes one
+        thread rather than every core: each device thread runs torch with
+        ``cores // len(devices)`` intra-op threads and gsync's communication
+        thread with the cores left over, at least one each
+        (:attr:`intra_op_threads`). ``"shared"``: this process's CPU devices
+        take turns on one thread, each kernel on every core, and no two
+        device threads compete for the GIL, which pays where kernels are
+        short: 8 CPU devices on a model of small tensors took 0.48-0.73x the
+        time on one shared thread that they took on eight. ``"auto"``
+        (default): on CPU, ``"per_device"`` while each device can have a
+        core of its own (``len(devices) <= cores``) and ``"shared"`` beyond,
+        or where torch's parallel backend is not OpenMP (its threads cannot
+        be split per thread); on GPUs ``"per_device"``. (Two devices of a
+        10M-parameter MLP on 2 cores took 0.84-1.00x the time with a thread
+        and a core each that they took taking turns on both cores: torch
+        splits one replica's kernels over two cores less well than two
+        replicas split the cores. See the README.) Results do not depend on
+        the setting beyond the last bit of kernels that torch splits over
+        several threads, whose rounding can depend on the thread count.
+        Sharing applies to CPU devices only. A device's wait for its turn
+        counts against no timeout: each device gets ``sync_timeout`` for
+        its own work. On a shared thread, code of yours that waits for
+        another device inside a device's job (a ``loss_fn``, a hook, a
+        custom autograd Function that waits on a peer) waits for a device
+        that cannot run until it returns: use ``"per_device"`` for that.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -163,11 +168,21 @@ class Engine:
                 f"{', '.join(s.name for s in self.devices if s.torch_device.type != 'cpu')} each need their own "
                 "thread to launch kernels while the others do: use 'per_device' or 'auto'"
             )
+        cores = torch.get_num_threads()
         shared = device_threads == "shared" or (
-            device_threads == "auto" and on_cpu and len(self.devices) > torch.get_num_threads()
+            device_threads == "auto" and on_cpu and (len(self.devices) > cores or not THREADS_PER_THREAD)
         )
         self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
+        split = not shared and on_cpu and len(self.devices) > 1 and THREADS_PER_THREAD
+        self.intra_op_threads: tuple[int, int] | None = None
+        """Torch intra-op threads for each device thread and for the communication thread, when this process's
+        CPU devices each have a thread and split its cores (``torch.get_num_threads()`` as the engine is built):
+        an equal share per device, the cores left over (at least one) for the reduction. ``None``: each thread
+        runs with the count of the thread that opens the session."""
+        if split:
+            share = max(1, cores // len(self.devices))
+            self.intra_op_threads = (share, max(1, cores - share * len(self.devices)))
         self.devices_in_turn = len(self.devices) if on_cpu else 1
         """How many of this process's devices may run one after another within a step, each given
         ``sync_timeout``: CPU devices always may (on a shared thread, or in the first step's turns)."""
@@ -183,15 +198,6 @@ class Engine:
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
         every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
         self._running = False
-
-    def intra_op_threads(self) -> int | None:
-        """Torch intra-op threads for each of a session's device threads (and its communication thread): this
-        process's cores split among its CPU devices when each has a thread of its own; ``None`` otherwise (each
-        thread uses the count of the thread that opens the session)."""
-        on_cpu = all(spec.torch_device.type == "cpu" for spec in self.devices)
-        if self.device_threads != "per_device" or not on_cpu or len(self.devices) < 2:
-            return None
-        return max(1, torch.get_num_threads() // len(self.devices))
 
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"

@@ -72,7 +72,8 @@ class SyncServer:
         rebuild: PlanRebuild | None = None,
     ) -> None:
         self.mailbox = mailbox
-        self.comm = WorkerThread("gsync-comm", context.loop, torch_threads=context.intra_op_threads)
+        threads = context.intra_op_threads
+        self.comm = WorkerThread("gsync-comm", context.loop, torch_threads=None if threads is None else threads[1])
         self.bucket_ready_received = 0
         self.steps_synced = 0
         self.skipped_steps: list[int] = []
