@@ -170,7 +170,10 @@ class Engine:
             )
         cores = torch.get_num_threads()
         shared = device_threads == "shared" or (
-            device_threads == "auto" and on_cpu and (len(self.devices) > cores or not THREADS_PER_THREAD)
+            device_threads == "auto"
+            and on_cpu
+            and len(self.devices) > 1
+            and (len(self.devices) > cores or not THREADS_PER_THREAD)
         )
         self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""

@@ -37,6 +37,11 @@ def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyon
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).intra_op_threads == (2, 2)  # the reduction gets what is left
     assert gsync.Engine(["cpu:0", "cpu:1"]).intra_op_threads == (4, 1)
+    # Where torch's threads cannot be split per thread (its native backend), CPU devices share one thread.
+    monkeypatch.setattr(gsync.engine, "THREADS_PER_THREAD", False)
+    assert gsync.Engine(["cpu:0", "cpu:1"]).device_threads == "shared"
+    assert gsync.Engine(["cpu"]).device_threads == "per_device"
+    assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").intra_op_threads is None
 
 
 async def _torch_threads_seen(engine: gsync.Engine, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
