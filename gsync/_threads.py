@@ -175,9 +175,9 @@ class WorkerThread:
     also what a thread the user starts during such a session begins with;
     a thread given ``torch_threads`` sets it back to the creating thread's
     count as it exits, so threads started afterwards get what they would
-    have had without gsync. Only under OpenMP, torch's parallel backend on
-    the Linux and Windows builds: its native backend has one pool of
-    threads per process, fixed once it has run.
+    have had without gsync. Only where torch's parallel backend is OpenMP
+    (``torch.__config__.parallel_info()``): its native backend has one
+    pool of threads per process, fixed once it has run.
     """
 
     def __init__(self, name: str, loop: LoopHandle, hold_reports: bool = False, torch_threads: int | None = None) -> None:
