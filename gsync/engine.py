@@ -169,15 +169,13 @@ class Engine:
                 "thread to launch kernels while the others do: use 'per_device' or 'auto'"
             )
         cores = torch.get_num_threads()
+        several_cpus = on_cpu and len(self.devices) > 1
         shared = device_threads == "shared" or (
-            device_threads == "auto"
-            and on_cpu
-            and len(self.devices) > 1
-            and (len(self.devices) > cores or not THREADS_PER_THREAD)
+            device_threads == "auto" and several_cpus and (len(self.devices) > cores or not THREADS_PER_THREAD)
         )
         self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
-        split = not shared and on_cpu and len(self.devices) > 1 and THREADS_PER_THREAD
+        split = several_cpus and not shared and THREADS_PER_THREAD
         self.intra_op_threads: tuple[int, int] | None = None
         """Torch intra-op threads for each device thread and for the communication thread, when this process's
         CPU devices each have a thread and split its cores (``torch.get_num_threads()`` as the engine is built):
