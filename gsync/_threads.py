@@ -64,6 +64,7 @@ class LoopHandle:
             self._wake: Callable[..., Any] = loop.call_soon_threadsafe
             self._loop_closed: Callable[[], bool] = loop.is_closed
             self._new_event: Callable[[], LoopEvent] = asyncio.Event
+            self._call_later: Callable[..., Callable[[], object]] = _asyncio_call_later(loop)
         except RuntimeError:
             # Not asyncio: anyio's only other backend is trio.
             import trio
@@ -71,6 +72,7 @@ class LoopHandle:
             self._wake = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_closed = lambda: False
             self._new_event = trio.Event
+            self._call_later = _trio_call_later
         self._lock = threading.Lock()
         # Non-empty while a wake-up that will run it is scheduled (or about to be, by the
         # poster that made it non-empty). If the loop closes meanwhile, what is queued is
@@ -88,6 +90,17 @@ class LoopHandle:
         (Events made once per session or thread stay ``anyio.Event``.)
         """
         return self._new_event()
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
+        """From the loop: run ``callback(*args)`` on the loop in ``delay`` seconds, unless the returned function
+        is called first (calling it later does nothing). ``callback`` must not raise.
+
+        gsync's deadlines (a step's sync, a job's run) are timers, not anyio
+        cancel scopes: the steps' hot path enters several per step, and a
+        scope costs the loop tens of microseconds on asyncio (its own
+        bookkeeping and a timer), a timer a few.
+        """
+        return self._call_later(delay, callback, *args)
 
     def call_soon(self, callback: Callable[..., object], *args: object) -> bool:
         """Schedule ``callback(*args)`` on the loop; ``False`` when the loop is already closed."""
@@ -130,6 +143,28 @@ class LoopHandle:
                         except RuntimeError:
                             pass
                 raise
+
+
+def _asyncio_call_later(loop: asyncio.AbstractEventLoop) -> Callable[..., Callable[[], object]]:
+    def call_later(delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
+        return loop.call_later(delay, callback, *args).cancel
+
+    return call_later
+
+
+def _trio_call_later(delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
+    import trio
+
+    # trio has no timer callbacks: a system task sleeps in a scope that cancelling the timer cancels.
+    scope = trio.CancelScope()
+
+    async def timer() -> None:
+        with scope:
+            await trio.sleep(delay)
+            callback(*args)
+
+    trio.lowlevel.spawn_system_task(timer, name="gsync timer")
+    return scope.cancel
 
 
 class Outcome(Generic[T]):
@@ -271,14 +306,17 @@ class WorkerThread:
         If the awaiting task is cancelled or times out, the job keeps running
         to its end in the thread and its result is discarded.
         """
-        done = self._loop.event()
+        loop = self._loop
+        # The event the awaiting task waits on now: the job's report sets it, and so does a deadline passing
+        # (after which the task waits on a new one, if the job may still run).
+        waiting = [loop.event()]
         box: list[Outcome[T]] = []
         started: list[float] = []
         ended: list[bool] = []
 
         def finish(outcome: Outcome[T]) -> None:
             box.append(outcome)
-            done.set()
+            waiting[0].set()
 
         def timed() -> T:
             started.append(time.monotonic())
@@ -289,18 +327,24 @@ class WorkerThread:
 
         if timeout is None:
             self.submit(fn, finish)
-            await done.wait()
+            await waiting[0].wait()
             return box[0].unwrap()
         self.submit(timed, finish)
-        wait = timeout
+        wait: float | None = timeout
         while True:
-            with anyio.move_on_after(wait):
-                await done.wait()
-            if done.is_set():
+            event = waiting[0]
+            cancel_timer = None if wait is None else loop.call_later(wait, event.set)
+            try:
+                await event.wait()
+            finally:
+                if cancel_timer is not None:
+                    cancel_timer()
+            if box:
                 return box[0].unwrap()
+            waiting[0] = loop.event()
             if ended:  # its report is held with those of the jobs behind it, each with its own deadline
-                await done.wait()
-                return box[0].unwrap()
+                wait = None
+                continue
             wait = timeout if not started else started[0] + timeout - time.monotonic()
             if wait <= 0:
                 raise JobTimedOut

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
 from torch import nn
 
 from .checkpoint import Checkpoint, restore_checkpoint_rng
@@ -139,7 +140,7 @@ class _FitLoop:
                 group.start_soon(feeder.run, send)
                 async with receive:
                     try:
-                        await self._consume(receive)
+                        await self._consume(_ReadAhead(receive))
                     except StopTraining:
                         pass
                 group.cancel_scope.cancel()
@@ -226,6 +227,35 @@ class _FitLoop:
         )
         if self.progress is not None:
             self.progress.update(result.step, epoch, result.loss, result.lr, result.rows, result.seconds)
+
+
+class _ReadAhead:
+    """The feeder's items; one it has already read is taken at once.
+
+    Iterating the stream itself would first yield to the loop on every item
+    (anyio's checkpoint), and the steps run one after another: each such
+    turn of the loop comes between one step's optimizer and the next step's
+    forward, where every device waits. Waiting for an item not yet read still
+    yields, and sees cancellation, as before.
+    """
+
+    def __init__(self, items: MemoryObjectReceiveStream[FeedItem]) -> None:
+        self._items = items
+
+    def __aiter__(self) -> _ReadAhead:
+        return self
+
+    async def __anext__(self) -> FeedItem:
+        try:
+            return self._items.receive_nowait()
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+        try:
+            return await self._items.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
 
 
 def check_callbacks(callbacks: object) -> list[Any]:

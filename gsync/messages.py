@@ -17,6 +17,7 @@ __all__ = (
     "BucketReduced",
     "StepFinished",
     "CommFailed",
+    "StepDeadline",
     "StepSynced",
     "StepApplied",
     "Close",
@@ -103,6 +104,13 @@ class CommFailed(_Message):
     bucket: int
 
 
+class StepDeadline(_Message):
+    """``step``'s ``sync_timeout`` has passed (posted by the sync server's own timer; ignored once the step is
+    synced)."""
+
+    step: int
+
+
 class StepSynced(_Message):
     """Every bucket of ``step`` is reduced: the device may run its optimizer step.
 
@@ -142,6 +150,8 @@ class Close(_Message):
     reason: str = ""
 
 
-ServerMessage = StepDispatched | ForwardDone | BucketReady | BucketReduced | StepFinished | CommFailed | Close
+ServerMessage = (
+    StepDispatched | ForwardDone | BucketReady | BucketReduced | StepFinished | CommFailed | StepDeadline | Close
+)
 DeviceMessage = StepSynced | Close
 SessionMessage = StepApplied

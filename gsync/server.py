@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
 
-import anyio
 import torch
 
 from ._threads import FitAborted, Outcome, WorkerThread
@@ -39,6 +38,7 @@ from .messages import (
     CommFailed,
     ForwardDone,
     ServerMessage,
+    StepDeadline,
     StepDispatched,
     StepFinished,
     StepSynced,
@@ -127,6 +127,8 @@ class SyncServer:
                             # A device whose mailbox is closed has already ended.
                             device.mailbox.try_post(Close("end of data"))
                         return
+                    case StepDeadline():
+                        pass  # the deadline of a step that was synced before its timer's post was read
                     case _:
                         raise SyncFailed(-1, None, f"protocol error: {message!r} outside any step")
         finally:
@@ -160,7 +162,9 @@ class SyncServer:
         # as many times longer: each has the full timeout for its own part.
         in_turn = self._context.shared_thread or turns is not None
         timeout = self._timeout * (num_devices if in_turn else 1)
-        with anyio.move_on_after(timeout) as deadline:
+        timed_out = False
+        cancel_deadline = self._context.loop.call_later(timeout, self.mailbox.try_post, StepDeadline(step))
+        try:
             while not finished:
                 message = await self.mailbox.receive()
                 match message:
@@ -198,9 +202,16 @@ class SyncServer:
                             # FitAborted: the session is already ending for another reason.
                             raise error
                         raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
+                    case StepDeadline(step=at) if at == step:
+                        timed_out = True
+                        break
+                    case StepDeadline():
+                        pass  # an earlier step's, synced before its timer's post was read
                     case StepDispatched() | Close():
                         self._backlog.append(message)
-        if deadline.cancelled_caught:
+        finally:
+            cancel_deadline()
+        if timed_out:
             # Posts that did not wake the server still count as arrived: a bucket, or the losses, not yet in
             # from every device, or in from every device but whose last poster's job (which wakes the server as
             # it ends) had not ended.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable
 
@@ -11,7 +12,7 @@ from torch import nn
 
 import gsync
 from gsync.mailbox import Mailbox
-from gsync.messages import BucketReady, ForwardDone
+from gsync.messages import BucketReady, ForwardDone, StepDeadline
 from conftest import (
     BackwardGate,
     Deep,
@@ -174,6 +175,33 @@ async def test_generator_data_is_read_off_the_loop(no_leaks: None) -> None:
     assert reader_threads and loop_thread not in reader_threads
 
 
+async def test_a_step_whose_batch_is_already_read_starts_without_a_turn_of_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Between two steps every device waits: fit hands out the next step's shards in the same turn of the event
+    # loop in which the previous step's on_step_end returned. A callback that turn schedules runs after them.
+    events: list[str] = []
+    original_post = Mailbox.post
+
+    def recorded_post(self: Mailbox[object], message: object) -> None:
+        if self.owner == "shards of cpu:0":
+            events.append(f"shards of step {message.step}")  # type: ignore[attr-defined]
+        original_post(self, message)
+
+    class NextTurn:
+        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            asyncio.get_running_loop().call_soon(events.append, f"turn after step {result.step}")
+
+    monkeypatch.setattr(Mailbox, "post", recorded_post)
+    steps = 4
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+        TiedNet(), make_batches(steps, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[NextTurn()]
+    )
+    for step in range(steps - 1):
+        assert events.index(f"shards of step {step + 1}") < events.index(f"turn after step {step}")
+    assert events.count("shards of step 0") == 1
+
+
 @pytest.mark.parametrize(
     ("device_threads", "names"),
     [("shared", {"gsync-devices"}), ("per_device", {"gsync-device-0", "gsync-device-1"})],
@@ -246,3 +274,28 @@ async def test_plan_is_kept_when_backward_already_follows_it() -> None:
         Deep(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss
     )
     assert not result.stats.rebuilt_buckets
+
+
+async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
+    # A step's deadline is a timer that posts StepDeadline to the sync server; one that fired just as its step
+    # synced is read later: between steps, or during the next step.
+    server_box: list[Mailbox[object]] = []
+    steps = 4
+
+    class StaleDeadlines:
+        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            box = session._server_mailbox  # type: ignore[attr-defined]
+            server_box[:] = [box]
+            box.post(StepDeadline(result.step))
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if server_box:  # from a device thread, during the next step
+            server_box[0].post_threadsafe(StepDeadline(0))
+        return classification_loss(model, batch)
+
+    model = TiedNet()
+    batches = make_batches(steps, 8)
+    result = await gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=60).fit(
+        model, batches, optimizer=sgd, loss_fn=loss_fn, callbacks=[StaleDeadlines()]
+    )
+    assert len(result.losses) == steps and result.skipped_steps == []

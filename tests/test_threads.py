@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 
 from gsync._threads import JobTimedOut, LoopHandle, Outcome, WorkerThread
@@ -248,3 +249,41 @@ async def test_without_hold_reports_each_job_reports_as_it_ends() -> None:
         worker.submit(lambda: None, lambda outcome: reports.append("first"))
         worker.submit(lambda: release.wait(10), lambda outcome: reports.append("second"))
         await _until(lambda: reports == ["first"])
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_timer_runs_its_callback_on_the_loop_unless_cancelled_first(backend: str) -> None:
+    ran: list[tuple[str, int]] = []
+
+    async def main() -> None:
+        handle = LoopHandle()
+        done = handle.event()
+        cancel_early = handle.call_later(0.01, lambda: ran.append(("cancelled", threading.get_ident())))
+        handle.call_later(0.05, lambda: ran.append(("kept", threading.get_ident())))
+        handle.call_later(0.05, done.set)  # same deadline, scheduled after: runs after the one before
+        cancel_early()
+        with anyio.fail_after(10):
+            await done.wait()
+        cancel_early()  # after the fact: nothing happens
+
+    anyio.run(main, backend=backend)
+    assert ran == [("kept", threading.get_ident())]
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_job_past_its_deadline_times_out_on_either_backend(backend: str) -> None:
+    release = threading.Event()
+
+    async def main() -> None:
+        worker = WorkerThread("gsync-test-overrun", LoopHandle())
+        try:
+            with pytest.raises(JobTimedOut):
+                await worker.run(lambda: release.wait(10), timeout=0.1)
+            release.set()  # the job ran on: now it ends, and the thread takes the next
+            assert await worker.run(lambda: "next", timeout=5) == "next"
+        finally:
+            release.set()
+            worker.stop()
+            assert await worker.join(5)
+
+    anyio.run(main, backend=backend)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gsync
+import gsync.testing
 from conftest import Deep, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,3 +42,24 @@ def test_fit_session_evaluate_and_cancellation_under_trio(no_leaks: None) -> Non
     assert seen["cancelled"] is True
     # The cancelled fit left the model as it was after the session, which continued the fit by one step.
     assert_same_state(model, expected_model)
+
+
+@pytest.mark.parametrize(("site", "what"), [("backward", "gradient sync"), ("optimizer", "optimizer step")])
+def test_a_stalled_device_times_out_under_trio_naming_it(site: str, what: str, no_leaks: None) -> None:
+    # A step's sync deadline and an optimizer step's are timers on the loop; under trio each is a system task.
+    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3, device_threads="per_device")
+    fault = gsync.testing.stall(device=1, step=1, site=site)  # type: ignore[arg-type]
+    caught: list[gsync.SyncTimeout] = []
+
+    async def main() -> None:
+        with gsync.testing.inject(engine, fault):
+            try:
+                await engine.fit(Deep(), make_batches(steps=4, rows=8), optimizer=sgd, loss_fn=classification_loss,
+                                 progress=False)
+            except gsync.SyncTimeout as error:
+                caught.append(error)
+
+    anyio.run(main, backend="trio")
+
+    assert len(caught) == 1 and caught[0].stalled_devices == ("cpu:1",)
+    assert what in str(caught[0])
