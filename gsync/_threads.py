@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -21,6 +22,8 @@ import anyio
 import torch
 
 T = TypeVar("T")
+
+logger = logging.getLogger("gsync")
 
 THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
 """Each thread can run torch's kernels on its own number of intra-op threads (OpenMP's per-thread count)."""
@@ -72,7 +75,7 @@ class LoopHandle:
             self._wake = trio.lowlevel.current_trio_token().run_sync_soon
             self._loop_closed = lambda: False
             self._new_event = trio.Event
-            self._call_later = _trio_call_later
+            self._call_later = _trio_call_later(trio)
         self._lock = threading.Lock()
         # Non-empty while a wake-up that will run it is scheduled (or about to be, by the
         # poster that made it non-empty). If the loop closes meanwhile, what is queued is
@@ -93,7 +96,8 @@ class LoopHandle:
 
     def call_later(self, delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
         """From the loop: run ``callback(*args)`` on the loop in ``delay`` seconds, unless the returned function
-        is called first (calling it later does nothing). ``callback`` must not raise.
+        is called first (calling it later does nothing). What ``callback`` raises is logged, not raised: nothing
+        awaits a timer.
 
         gsync's deadlines (a step's sync, a job's run) are timers, not anyio
         cancel scopes: the steps' hot path enters several per step, and a
@@ -152,19 +156,24 @@ def _asyncio_call_later(loop: asyncio.AbstractEventLoop) -> Callable[..., Callab
     return call_later
 
 
-def _trio_call_later(delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
-    import trio
+def _trio_call_later(trio: Any) -> Callable[..., Callable[[], object]]:
+    def call_later(delay: float, callback: Callable[..., object], *args: object) -> Callable[[], object]:
+        # trio has no timer callbacks: a system task sleeps in a scope that cancelling the timer cancels.
+        scope = trio.CancelScope()
 
-    # trio has no timer callbacks: a system task sleeps in a scope that cancelling the timer cancels.
-    scope = trio.CancelScope()
+        async def timer() -> None:
+            with scope:
+                await trio.sleep(delay)
+                try:
+                    callback(*args)
+                except Exception:
+                    # A system task that raises ends the whole trio run; asyncio logs a raising callback.
+                    logger.exception("gsync: a timer callback raised")
 
-    async def timer() -> None:
-        with scope:
-            await trio.sleep(delay)
-            callback(*args)
+        trio.lowlevel.spawn_system_task(timer, name="gsync timer")
+        return scope.cancel
 
-    trio.lowlevel.spawn_system_task(timer, name="gsync timer")
-    return scope.cancel
+    return call_later
 
 
 class Outcome(Generic[T]):

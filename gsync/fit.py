@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream
+import anyio.lowlevel
 from torch import nn
 
 from .checkpoint import Checkpoint, restore_checkpoint_rng
@@ -27,6 +27,8 @@ from .result import FitResult, StepRecord
 from .session import Session, StepResult, open_session
 
 if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectReceiveStream
+
     from .engine import Engine
 
 __all__ = ("run_fit",)
@@ -140,7 +142,7 @@ class _FitLoop:
                 group.start_soon(feeder.run, send)
                 async with receive:
                     try:
-                        await self._consume(_ReadAhead(receive))
+                        await self._consume(_FeedItems(receive))
                     except StopTraining:
                         pass
                 group.cancel_scope.cancel()
@@ -229,23 +231,25 @@ class _FitLoop:
             self.progress.update(result.step, epoch, result.loss, result.lr, result.rows, result.seconds)
 
 
-class _ReadAhead:
-    """The feeder's items; one it has already read is taken at once.
+class _FeedItems:
+    """The feeder's items, each one it has already read taken without a turn of the event loop.
 
     Iterating the stream itself would first yield to the loop on every item
     (anyio's checkpoint), and the steps run one after another: each such
-    turn of the loop comes between one step's optimizer and the next step's
-    forward, where every device waits. Waiting for an item not yet read still
-    yields, and sees cancellation, as before.
+    turn comes between one step's optimizer and the next step's forward,
+    where every device waits. A cancellation already requested (a callback
+    cancelling an enclosing scope) is still seen here, before the next step
+    starts; waiting for an item not yet read yields, as before.
     """
 
     def __init__(self, items: MemoryObjectReceiveStream[FeedItem]) -> None:
         self._items = items
 
-    def __aiter__(self) -> _ReadAhead:
+    def __aiter__(self) -> _FeedItems:
         return self
 
     async def __anext__(self) -> FeedItem:
+        await anyio.lowlevel.checkpoint_if_cancelled()
         try:
             return self._items.receive_nowait()
         except anyio.WouldBlock:

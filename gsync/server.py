@@ -162,11 +162,22 @@ class SyncServer:
         # as many times longer: each has the full timeout for its own part.
         in_turn = self._context.shared_thread or turns is not None
         timeout = self._timeout * (num_devices if in_turn else 1)
-        timed_out = False
-        cancel_deadline = self._context.loop.call_later(timeout, self.mailbox.try_post, StepDeadline(step))
+        # From the moment the deadline passes it wins, as a cancel scope's would: a message read after that only
+        # counts as arrived (in the report), so nothing is launched once the step has timed out. The timer's post
+        # wakes the server if it is waiting.
+        expired = False
+
+        def deadline_passed() -> None:
+            nonlocal expired
+            expired = True
+            self.mailbox.try_post(StepDeadline(step))
+
+        cancel_deadline = self._context.loop.call_later(timeout, deadline_passed)
         try:
             while not finished:
                 message = await self.mailbox.receive()
+                if expired:
+                    break
                 match message:
                     case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
                         # The most frequent message (devices x buckets per step): matched first.
@@ -202,24 +213,23 @@ class SyncServer:
                             # FitAborted: the session is already ending for another reason.
                             raise error
                         raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
-                    case StepDeadline(step=at) if at == step:
-                        timed_out = True
-                        break
                     case StepDeadline():
                         pass  # an earlier step's, synced before its timer's post was read
                     case StepDispatched() | Close():
                         self._backlog.append(message)
         finally:
             cancel_deadline()
-        if timed_out:
-            # Posts that did not wake the server still count as arrived: a bucket, or the losses, not yet in
-            # from every device, or in from every device but whose last poster's job (which wakes the server as
-            # it ends) had not ended.
-            while (late := self.mailbox.receive_nowait()) is not None:
+        if expired:
+            # The message read as the deadline was seen, and posts that did not wake the server, still count as
+            # arrived: a bucket, or the losses, not yet in from every device, or in from every device but whose
+            # last poster's job (which wakes the server as it ends) had not ended.
+            late: ServerMessage | None = message
+            while late is not None:
                 if isinstance(late, BucketReady) and late.step == step:
                     arrived[late.bucket][late.device] = 1
                 elif isinstance(late, ForwardDone) and late.step == step:
                     losses_in += 1
+                late = self.mailbox.receive_nowait()
             # A device still waiting for its first-step turn, or for the thread it shares with the
             # other devices, is held up by another device, which is named.
             blamed = [

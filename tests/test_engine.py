@@ -6,6 +6,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 
+import anyio
 import pytest
 import torch
 from torch import nn
@@ -274,6 +275,36 @@ async def test_plan_is_kept_when_backward_already_follows_it() -> None:
         Deep(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss
     )
     assert not result.stats.rebuilt_buckets
+
+
+async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Taking a batch already read is not a turn of the loop, but a cancellation already requested is still seen
+    # before the next step starts.
+    dispatched: list[int] = []
+    original_post = Mailbox.post
+
+    def recorded_post(self: Mailbox[object], message: object) -> None:
+        if self.owner == "shards of cpu:0":
+            dispatched.append(message.step)  # type: ignore[attr-defined]
+        original_post(self, message)
+
+    class CancelAfterStepOne:
+        def __init__(self, scope: anyio.CancelScope) -> None:
+            self.scope = scope
+
+        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            if result.step == 1:
+                self.scope.cancel()
+
+    monkeypatch.setattr(Mailbox, "post", recorded_post)
+    with anyio.CancelScope() as scope:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+            TiedNet(), make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[CancelAfterStepOne(scope)]
+        )
+    assert scope.cancelled_caught
+    assert dispatched == [0, 1]
 
 
 async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
