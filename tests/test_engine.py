@@ -176,24 +176,29 @@ async def test_generator_data_is_read_off_the_loop(no_leaks: None) -> None:
     assert reader_threads and loop_thread not in reader_threads
 
 
-async def test_a_step_whose_batch_is_already_read_starts_without_a_turn_of_the_loop(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Between two steps every device waits: fit hands out the next step's shards in the same turn of the event
-    # loop in which the previous step's on_step_end returned. A callback that turn schedules runs after them.
-    events: list[str] = []
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What happened, in order: "shards of step N" as the session posts step N's shard to cpu:0, and what a test
+    adds."""
+    recorded: list[str] = []
     original_post = Mailbox.post
 
     def recorded_post(self: Mailbox[object], message: object) -> None:
         if self.owner == "shards of cpu:0":
-            events.append(f"shards of step {message.step}")  # type: ignore[attr-defined]
+            recorded.append(f"shards of step {message.step}")  # type: ignore[attr-defined]
         original_post(self, message)
 
+    monkeypatch.setattr(Mailbox, "post", recorded_post)
+    return recorded
+
+
+async def test_a_step_whose_batch_is_already_read_starts_without_a_turn_of_the_loop(events: list[str]) -> None:
+    # Between two steps every device waits: fit hands out the next step's shards in the same turn of the event
+    # loop in which the previous step's on_step_end returned. A callback that turn schedules runs after them.
     class NextTurn:
         def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
             asyncio.get_running_loop().call_soon(events.append, f"turn after step {result.step}")
 
-    monkeypatch.setattr(Mailbox, "post", recorded_post)
     steps = 4
     await gsync.Engine(["cpu:0", "cpu:1"]).fit(
         TiedNet(), make_batches(steps, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[NextTurn()]
@@ -277,19 +282,9 @@ async def test_plan_is_kept_when_backward_already_follows_it() -> None:
     assert not result.stats.rebuilt_buckets
 
 
-async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_step(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_step(events: list[str]) -> None:
     # Taking a batch already read is not a turn of the loop, but a cancellation already requested is still seen
     # before the next step starts.
-    dispatched: list[int] = []
-    original_post = Mailbox.post
-
-    def recorded_post(self: Mailbox[object], message: object) -> None:
-        if self.owner == "shards of cpu:0":
-            dispatched.append(message.step)  # type: ignore[attr-defined]
-        original_post(self, message)
-
     class CancelAfterStepOne:
         def __init__(self, scope: anyio.CancelScope) -> None:
             self.scope = scope
@@ -298,13 +293,12 @@ async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_s
             if result.step == 1:
                 self.scope.cancel()
 
-    monkeypatch.setattr(Mailbox, "post", recorded_post)
     with anyio.CancelScope() as scope:
         await gsync.Engine(["cpu:0", "cpu:1"]).fit(
             TiedNet(), make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[CancelAfterStepOne(scope)]
         )
     assert scope.cancelled_caught
-    assert dispatched == [0, 1]
+    assert events == ["shards of step 0", "shards of step 1"]
 
 
 async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
