@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,17 @@ def assert_same_state(actual: nn.Module, expected: nn.Module, atol: float = 2e-5
     expected_state = expected.state_dict()
     for name, value in actual.state_dict().items():
         torch.testing.assert_close(value, expected_state[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class CancelAfterStep:
+    """A callback that cancels ``scope`` as step ``step`` ends (as ``anyio.move_on_after`` would, from outside)."""
+
+    def __init__(self, scope: anyio.CancelScope, step: int) -> None:
+        self.scope, self.step = scope, step
+
+    def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+        if result.step == self.step:
+            self.scope.cancel()
 
 
 class BackwardGate:

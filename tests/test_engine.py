@@ -16,6 +16,7 @@ from gsync.mailbox import Mailbox
 from gsync.messages import BucketReady, ForwardDone, StepDeadline
 from conftest import (
     BackwardGate,
+    CancelAfterStep,
     Deep,
     TiedNet,
     assert_no_tasks_left,
@@ -285,17 +286,9 @@ async def test_plan_is_kept_when_backward_already_follows_it() -> None:
 async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_step(events: list[str]) -> None:
     # Taking a batch already read is not a turn of the loop, but a cancellation already requested is still seen
     # before the next step starts.
-    class CancelAfterStepOne:
-        def __init__(self, scope: anyio.CancelScope) -> None:
-            self.scope = scope
-
-        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
-            if result.step == 1:
-                self.scope.cancel()
-
     with anyio.CancelScope() as scope:
         await gsync.Engine(["cpu:0", "cpu:1"]).fit(
-            TiedNet(), make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[CancelAfterStepOne(scope)]
+            TiedNet(), make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, callbacks=[CancelAfterStep(scope, 1)]
         )
     assert scope.cancelled_caught
     assert events == ["shards of step 0", "shards of step 1"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import Deep, classification_loss, gsync_threads, make_batches, sgd
+from conftest import CancelAfterStep, Deep, classification_loss, gsync_threads, make_batches, sgd
 
 import gsync
 import gsync.testing
@@ -176,16 +176,8 @@ async def test_a_cancelled_fit_writes_its_trace_with_the_cancellation_marked(tmp
     path = tmp_path / "run.json"
     engine = small_buckets(path)
 
-    class CancelAfterStep1:
-        def __init__(self, scope: anyio.CancelScope) -> None:
-            self.scope = scope
-
-        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
-            if result.step == 1:
-                self.scope.cancel()
-
     with anyio.CancelScope() as scope:
-        callbacks = [CancelAfterStep1(scope)]
+        callbacks = [CancelAfterStep(scope, 1)]
         await engine.fit(Deep(depth=4), make_batches(5, 16), optimizer=sgd, loss_fn=classification_loss, callbacks=callbacks)
     assert scope.cancelled_caught
 
