@@ -163,22 +163,27 @@ def killed_at_step_2() -> dict[str, Any]:
 
     rank = int(os.environ["RANK"])
 
+    # From this rank's step 2, when its peer dies: what comes before (process group, replicas, the first steps)
+    # can take seconds on a loaded machine and is not what the test bounds.
+    step_2_started: list[float] = []
+
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-        if rank == 1 and model.calls == 2:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if model.calls == 2:
+            step_2_started.append(time.monotonic())
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
         model.calls += 1
         return classification_loss(model, batch)
 
     model = TiedNet()
     model.calls = 0  # type: ignore[assignment]
-    started = time.monotonic()
     try:
         asyncio.run(gsync.Engine(["cpu"], sync_timeout=5).fit(model, make_batches(STEPS, 8), optimizer=sgd, loss_fn=loss_fn))
     except gsync.GsyncError as error:
         return {
             "type": type(error).__name__,
             "message": str(error),
-            "elapsed": time.monotonic() - started,
+            "elapsed": time.monotonic() - step_2_started[0] if step_2_started else None,
             "rank": getattr(error, "rank", None),
             "step": getattr(error, "step", None),
             "cause": type(error.__cause__).__name__,
@@ -188,8 +193,9 @@ def killed_at_step_2() -> dict[str, Any]:
 
 @pytest.mark.timeout(90)
 def test_a_killed_rank_is_named_by_the_others_within_the_timeout() -> None:
-    # The survivor must raise within sync_timeout + 5 s (asserted below) and exit cleanly; on a loaded machine its
-    # process exit after a dead peer can take a few seconds more than the harness's default 5 s grace.
+    # The survivor must raise within sync_timeout + 5 s of its peer's death (asserted below) and exit cleanly; on a
+    # loaded machine its process exit after a dead peer can take a few seconds more than the harness's default 5 s
+    # grace.
     results = run_ranks(killed_at_step_2, 2, timeout=80, failure_grace=20)
     survivor = results[0]
     assert results[1].returncode == -signal.SIGKILL
@@ -199,7 +205,7 @@ def test_a_killed_rank_is_named_by_the_others_within_the_timeout() -> None:
     assert survivor.value["rank"] == 1 and survivor.value["step"] == 2, survivor.value
     assert "rank 1 stopped responding at step 2" in survivor.value["message"], survivor.value
     assert survivor.value["cause"] in ("SyncFailed", "SyncTimeout"), survivor.value
-    assert survivor.value["elapsed"] < 5 + 5
+    assert survivor.value["elapsed"] is not None and survivor.value["elapsed"] < 5 + 5, survivor.value
 
 
 def uneven_data_lengths() -> dict[str, Any]:
