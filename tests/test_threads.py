@@ -294,8 +294,40 @@ def test_a_job_past_its_deadline_times_out_under_trio_too() -> None:
     anyio.run(main, backend="trio")
 
 
+def test_trio_timers_run_in_deadline_order_whatever_order_they_were_set_in() -> None:
+    import trio
+    from trio.testing import MockClock
+
+    ran: list[tuple[str, float]] = []
+
+    async def main() -> None:
+        handle = LoopHandle()
+        done = handle.event()
+        start = trio.current_time()
+
+        def record(name: str) -> None:
+            ran.append((name, trio.current_time() - start))
+
+        def then_another() -> None:
+            record("2")
+            handle.call_later(0.0, record, "2, then")
+            cancel_4()  # due later: a timer can cancel another from its callback
+
+        handle.call_later(3.0, record, "3")
+        cancel_head = handle.call_later(0.5, record, "cancelled head")
+        handle.call_later(2.0, then_another)
+        cancel_4 = handle.call_later(4.0, record, "cancelled by 2")
+        handle.call_later(1.0, record, "1")  # set last, due first
+        handle.call_later(5.0, done.set)
+        cancel_head()
+        await done.wait()
+
+    anyio.run(main, backend="trio", backend_options={"clock": MockClock(autojump_threshold=0)})
+    assert ran == [("1", 1.0), ("2", 2.0), ("2, then", 2.0), ("3", 3.0)]
+
+
 def test_a_raising_timer_callback_under_trio_is_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
-    # Under trio a timer is a system task, and a system task that raises would end the whole run.
+    # Under trio timers run on a system task, and a system task that raises would end the whole run.
     async def main() -> None:
         handle = LoopHandle()
         done = handle.event()
