@@ -31,7 +31,7 @@ class _Message(msgspec.Struct, tag=True, frozen=True, gc=False, array_like=True)
     pass
 
 
-class StepDispatched(_Message):
+class StepDispatched(_Message, frozen=True):
     """The session handed step ``step``'s shards to the local devices.
 
     ``weights[i]`` is local device i's share of the step's gradient (its rows
@@ -47,7 +47,7 @@ class StepDispatched(_Message):
     last: bool = False
 
 
-class ForwardDone(_Message):
+class ForwardDone(_Message, frozen=True):
     """``device`` finished the forward passes of ``step`` and read their losses.
 
     Posted after the device's backward passes were launched and its last
@@ -66,7 +66,7 @@ class ForwardDone(_Message):
     skip: bool = False
 
 
-class BucketReady(_Message):
+class BucketReady(_Message, frozen=True):
     """Every gradient of ``bucket`` is final on ``device`` for ``step``.
 
     ``unused`` names the parameters (global indices) of the bucket that got no
@@ -79,7 +79,7 @@ class BucketReady(_Message):
     unused: tuple[int, ...] = ()
 
 
-class BucketReduced(_Message):
+class BucketReduced(_Message, frozen=True):
     """The all-reduces of ``step``'s buckets up to and including ``bucket`` finished on every device.
 
     Reductions run in bucket order on one thread, so one message covers every
@@ -91,27 +91,27 @@ class BucketReduced(_Message):
     bucket: int
 
 
-class StepFinished(_Message):
+class StepFinished(_Message, frozen=True):
     """The communication thread finished ``step``'s closing job: buffers broadcast, ranks agreed."""
 
     step: int
 
 
-class CommFailed(_Message):
+class CommFailed(_Message, frozen=True):
     """A collective raised; the server holds the exception. ``bucket`` is -1 for the step's closing job."""
 
     step: int
     bucket: int
 
 
-class StepDeadline(_Message):
+class StepDeadline(_Message, frozen=True):
     """``step``'s ``sync_timeout`` has passed (posted by the sync server's own timer; ignored once the step is
     synced)."""
 
     step: int
 
 
-class StepSynced(_Message):
+class StepSynced(_Message, frozen=True):
     """Every bucket of ``step`` is reduced: the device may run its optimizer step.
 
     ``unused`` names the parameters that got no gradient on any device; the
@@ -127,7 +127,7 @@ class StepSynced(_Message):
     loss: float = 0.0
 
 
-class StepApplied(_Message):
+class StepApplied(_Message, frozen=True):
     """``device`` applied (or skipped) ``step``: its replica holds the state after it.
 
     ``loss`` is the step's global mean loss, ``lr`` the learning rate the step
@@ -144,7 +144,7 @@ class StepApplied(_Message):
     skipped: bool = False
 
 
-class Close(_Message):
+class Close(_Message, frozen=True):
     """No more work: the recipient finishes what it holds and returns."""
 
     reason: str = ""

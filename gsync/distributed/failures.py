@@ -140,7 +140,7 @@ class FailureBoard:
             raise ConfigError(f"a FailureReport for rank {report.rank} cannot be published by rank {self._rank}")
         try:
             sequence = self._store.add(self._key("failures"), 1)
-            self._store.set(self._key("failure", sequence), _ENCODER.encode(report))
+            self._store.set(self._key("failure", sequence), _ENCODER.encode(report))  # type: ignore[arg-type]  # stub says str; bytes work
             # Wake keys go last: a woken watcher always finds the report.
             for rank in range(self._world_size):
                 if rank != self._rank:
@@ -250,7 +250,7 @@ class FailureBoard:
             return True
         if thread.is_alive() and wake:
             try:
-                self._store.set(self._key("wake", self._rank), _STOP)
+                self._store.set(self._key("wake", self._rank), _STOP)  # type: ignore[arg-type]  # stub says str; bytes work
             except Exception:  # noqa: BLE001 - a store that is gone has already ended the watcher's wait
                 pass
             thread.join(timeout_s)
@@ -261,6 +261,6 @@ def _own_connection(store: dist.Store) -> tuple[dist.Store, timedelta]:
     # A TCPStore client serialises its operations; a watcher blocked on the
     # shared client would stall report() and everyone else using the store.
     try:
-        return store.clone(), _WATCH_SLICE
+        return store.clone(), _WATCH_SLICE  # type: ignore[attr-defined]  # in torch, not in its stubs
     except Exception:  # noqa: BLE001 - stores that cannot clone raise various errors
         return store, _SHARED_WATCH_SLICE

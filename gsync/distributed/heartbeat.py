@@ -121,9 +121,9 @@ class Heartbeat:
 
         The first beat uses the shared connection; the thread opens its own.
         """
-        self._store.set(self._key(self._rank), _ENCODER.encode(self._next_beat()))
+        self._store.set(self._key(self._rank), _ENCODER.encode(self._next_beat()))  # type: ignore[arg-type]  # stub says str; bytes work
         try:
-            store = self._store.clone()
+            store = self._store.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
         except Exception:  # noqa: BLE001 - stores that cannot clone raise various errors
             store = self._store
         else:
@@ -182,7 +182,7 @@ class Heartbeat:
 
     def _beat(self, store: dist.Store, keys: list[str], present: bool) -> bool:
         """Write this rank's beat and read every peer's (one write and one read); whether all peers have beaten."""
-        self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))
+        self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))  # type: ignore[arg-type]  # stub says str; bytes work
         # A get of a key nobody wrote yet would block: peers still
         # joining have not beaten, so read only once all have.
         present = present or self._timed(store.check, keys)
