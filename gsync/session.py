@@ -285,6 +285,9 @@ class Session:
         rows_seen = 0
         after = self._next_step - 1
         reader = BatchReader(data, self._loop_handle())
+        # Before the session's first step, the first batch makes the CPU devices' first calls into torch's kernels:
+        # one device at a time, as in that step (FirstStepInTurn).
+        first_calls_in_turn = _built(self._context).first_step is not None and _built(self._server).steps_synced == 0
         try:
             async with aclosing(reader.batches(lambda read: DataFailed(after, site="evaluate", batch=read))) as batches:
                 number = 0
@@ -297,9 +300,15 @@ class Session:
                     async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
                         results[index] = await actor.evaluate(shard, count, fn)
 
-                    async with anyio.create_task_group() as group:
-                        for index, (actor, shard, count) in enumerate(zip(self._actors, shards, counts)):
-                            group.start_soon(run, index, actor, shard, count)
+                    work = list(enumerate(zip(self._actors, shards, counts)))
+                    if first_calls_in_turn:
+                        first_calls_in_turn = False
+                        for index, (actor, shard, count) in work:
+                            await run(index, actor, shard, count)
+                    else:
+                        async with anyio.create_task_group() as group:
+                            for index, (actor, shard, count) in work:
+                                group.start_soon(run, index, actor, shard, count)
                     for values in results:
                         for name, value in values.items():
                             sums[name] = sums.get(name, 0.0) + value

@@ -190,6 +190,34 @@ async def test_evaluate_gives_global_row_weighted_means_in_eval_mode(num_devices
     assert both == {"acc": pytest.approx(acc, abs=1e-6), "loss": pytest.approx(loss, abs=1e-5)}
 
 
+async def test_an_evaluation_before_the_first_step_runs_its_cpu_devices_first_calls_in_turn() -> None:
+    # As the first step does (FirstStepInTurn): torch sets up some CPU kernels on their first use, and two threads
+    # making those first calls at once may get results that differ in the last bit. Later calls run at once.
+    overlapped: list[bool] = []
+    both_inside = threading.Barrier(2)
+    patience = 0.5
+
+    def loss_meeting_the_other_device(model: nn.Module, batch: Any) -> torch.Tensor:
+        try:
+            # In turn, the other device cannot arrive: the wait runs out (and the barrier, broken, lets it pass).
+            both_inside.wait(timeout=patience)
+            overlapped.append(True)
+        except threading.BrokenBarrierError:
+            overlapped.append(False)
+        return classification_loss(model, batch)
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device")
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        await session.evaluate(make_batches(1, 8), metric_fn=loss_meeting_the_other_device)
+        assert overlapped == [False, False]
+        await session.step(make_batches(1, 8)[0])
+        overlapped.clear()
+        both_inside.reset()
+        patience = 30.0  # the other device arrives (under load, maybe late)
+        await session.evaluate(make_batches(1, 8), metric_fn=loss_meeting_the_other_device)
+        assert overlapped == [True, True]
+
+
 @pytest.mark.parametrize("num_devices", [1, 2])
 async def test_a_metric_a_shard_leaves_out_counts_as_zero_for_its_rows(num_devices: int) -> None:
     x = torch.randn(8, 12)
