@@ -6,6 +6,7 @@ user's own loop share one code path for the actors, the server and failures.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
 from collections.abc import AsyncIterable, Iterable, Sequence
@@ -19,7 +20,7 @@ from torch import nn
 from .checkpoint import Checkpoint, restore_checkpoint_rng
 from .checkpointing import CheckpointSettings, CheckpointWriter
 from .context import Recipe
-from .errors import ConfigError, InputTypeError, StopTraining
+from .errors import CheckpointError, ConfigError, InputTypeError, StopTraining
 from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed
 from .outcome import flatten, is_cancellation
 from .progress import Progress, progress_wanted
@@ -194,6 +195,8 @@ class _FitLoop:
 
     async def _run_held(self, last: bool) -> None:
         held, self._held = self._held, None
+        result: StepResult | None = None
+        due: Checkpoint | None = None
         if held is not None:
             step, epoch, batches, position = held
             if step == self.session.first_step and self.resume is not None:
@@ -204,11 +207,35 @@ class _FitLoop:
             self.position = position
             self._record(result, epoch)
             if self.writer is not None and self.writer.due(result.step):
-                await self.writer.write(replace(self.session.checkpoint(), data_position=position))
-            await self.call("on_step_end", self.session, result)
-        closing, self._epochs_to_close = self._epochs_to_close, []
-        for epoch in closing:
-            await self.call("on_epoch_end", self.session, epoch)
+                due = replace(self.session.checkpoint(), data_position=position)
+        try:
+            if result is not None:
+                await self.call("on_step_end", self.session, result)
+            closing, self._epochs_to_close = self._epochs_to_close, []
+            for epoch in closing:
+                await self.call("on_epoch_end", self.session, epoch)
+        except StopTraining:
+            await self._write(due, generators_now=True)
+            raise
+        except Exception:
+            # The step is consistent and its file is still written; the callback's error is the one raised.
+            with contextlib.suppress(CheckpointError):
+                await self._write(due, generators_now=False)
+            raise
+        await self._write(due, generators_now=True)
+
+    async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
+        """Write the checkpoint a step was due, copied as the step ended; with the generators as they are now.
+
+        The next step starts from the generators as the step's callbacks
+        leave them (a callback may draw from them: a sampled log line), so
+        a run resumed from the file must too.
+        """
+        if due is None or self.writer is None:
+            return
+        if generators_now and due.rng_state is not None:
+            due = replace(due, rng_state=self.session._generators())
+        await self.writer.write(due)
 
     def _check_position(self) -> None:
         """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""

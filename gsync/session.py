@@ -376,13 +376,17 @@ class Session:
         checkpoint = Checkpoint.capture(
             self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
         )
+        # Between steps, the generators are where the next step starts from.
+        return replace(checkpoint, rng_state=self._generators())
+
+    def _generators(self) -> dict[str, Any] | None:
+        """The global random generators' state as a checkpoint keeps it (``None`` across processes)."""
         if self.world_size > 1:
             # Each rank's generators are its own and one rank writes the file:
             # restoring its state on every rank would not continue the run.
-            return checkpoint
-        # Between steps, the generators are where the next step starts from.
+            return None
         cuda = [spec.torch_device for spec in self._engine.devices if spec.torch_device.type == "cuda"]
-        return replace(checkpoint, rng_state=capture_rng(cuda))
+        return capture_rng(cuda)
 
     # -- the step ----------------------------------------------------------------
 

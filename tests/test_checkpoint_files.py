@@ -217,6 +217,48 @@ async def test_a_resumed_fit_draws_the_same_random_numbers_as_the_run_it_continu
     assert_same_state(resumed.model, straight.model, atol=0)
 
 
+class DrawsInItsCallbacks:
+    """A callback that draws from the global generator (sampling a log line, say) after a step and an epoch."""
+
+    def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+        torch.rand(3)
+
+    def on_epoch_end(self, session: gsync.Session, epoch: int) -> None:
+        torch.rand(3)
+
+
+async def test_a_checkpoint_written_during_a_fit_keeps_the_generators_its_callbacks_leave(tmp_path: Path) -> None:
+    # The next step starts from the generators as the step's callbacks leave them: so must a run resumed there.
+    batches = make_batches(3, 16)
+    engine = gsync.Engine(["cpu"])
+    torch.manual_seed(0)
+    model = DropoutNet()
+    args: dict[str, Any] = {"optimizer": sgd, "loss_fn": classification_loss, "epochs": 2,
+                            "callbacks": [DrawsInItsCallbacks()]}
+    torch.manual_seed(1)
+    straight = await engine.fit(copy.deepcopy(model), batches, checkpoint_dir=tmp_path, checkpoint_every=1, keep=6, **args)
+    for after_step in (1, 2):  # within an epoch, and at its end (after its on_epoch_end too)
+        torch.manual_seed(99)
+        resumed = await engine.fit(copy.deepcopy(model), batches, resume=tmp_path / f"step-{after_step:08d}.pt", **args)
+        assert resumed.first_step == after_step + 1
+        assert resumed.losses == straight.losses[after_step + 1 :]
+        assert_same_state(resumed.model, straight.model, atol=0)
+
+
+async def test_a_callback_that_fails_after_a_step_leaves_that_steps_checkpoint_written(tmp_path: Path) -> None:
+    class FailsAfterStep1:
+        def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            if result.step == 1:
+                raise ValueError("the callback's own bug")
+
+    engine = gsync.Engine(["cpu"])
+    with pytest.raises(ValueError, match="the callback's own bug"):
+        await engine.fit(TiedNet(), make_batches(4, 8), optimizer=sgd, loss_fn=classification_loss,
+                         checkpoint_dir=tmp_path, checkpoint_every=1, keep=5, callbacks=[FailsAfterStep1()])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000000.pt", "step-00000001.pt"]
+    assert gsync.Checkpoint.load(tmp_path / "step-00000001.pt").step == 1
+
+
 async def test_a_checkpoint_file_keeps_the_generators_and_the_data_position(tmp_path: Path) -> None:
     engine = gsync.Engine(["cpu"])
     result = await engine.fit(TiedNet(), make_batches(3, 8), epochs=2, optimizer=sgd, loss_fn=classification_loss)
