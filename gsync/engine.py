@@ -26,7 +26,7 @@ from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHoo
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
-from .feeder import check_batch_source
+from .feeder import batches_per_epoch, check_batch_source
 from .fit import check_callbacks, run_fit
 from .result import FitResult, FitStats
 from .session import Session, open_session
@@ -359,6 +359,13 @@ class Engine:
         checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        per_epoch = batches_per_epoch(data)
+        if per_epoch is not None and 0 < per_epoch < accumulate:
+            raise ConfigError(
+                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
+                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
+                "lower accumulate"
+            )
         checked_callbacks = check_callbacks(callbacks)
         if progress is not None and not isinstance(progress, bool):
             raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")

@@ -26,7 +26,9 @@ from anyio.abc import ObjectSendStream
 from ._threads import LoopHandle, WorkerThread
 from .errors import ConfigError, DataFailed, GsyncError, InputTypeError
 
-__all__ = ("BatchRead", "BatchReader", "check_batch_source", "EpochEnded", "Feeder", "FeedItem", "ReadFailed")
+__all__ = (
+    "BatchRead", "BatchReader", "batches_per_epoch", "check_batch_source", "EpochEnded", "Feeder", "FeedItem", "ReadFailed",
+)
 
 _END = object()
 # How long a reader waits for its data thread to finish the current read at the end.
@@ -51,6 +53,14 @@ class ReadFailed:
 
 
 FeedItem = BatchRead | EpochEnded | ReadFailed
+
+
+def batches_per_epoch(data: object) -> int | None:
+    """``len(data)``, or ``None`` for data without one (a generator, a loader over an iterable dataset)."""
+    try:
+        return len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def check_batch_source(data: object) -> None:

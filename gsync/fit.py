@@ -21,7 +21,7 @@ from .checkpoint import Checkpoint, restore_checkpoint_rng
 from .checkpointing import CheckpointSettings, CheckpointWriter
 from .context import Recipe
 from .errors import CheckpointError, ConfigError, InputTypeError, StopTraining
-from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed
+from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch
 from .outcome import flatten, is_cancellation
 from .progress import Progress, progress_wanted
 from .result import FitResult, StepRecord
@@ -71,6 +71,12 @@ async def run_fit(
                 raise ConfigError(
                     f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
                     "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+                )
+            if not history:
+                # Data whose length is known is refused before any work (Engine.fit); this is data without one.
+                raise ConfigError(
+                    f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
+                    "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
                 )
             try:
                 await loop.call("on_fit_end", session)
@@ -306,7 +312,5 @@ def check_callbacks(callbacks: object) -> list[Any]:
 
 
 def _total_steps(data: object, epochs: int, accumulate: int) -> int | None:
-    try:
-        return len(data) // accumulate * epochs  # type: ignore[arg-type]
-    except TypeError:
-        return None
+    per_epoch = batches_per_epoch(data)
+    return None if per_epoch is None else per_epoch // accumulate * epochs

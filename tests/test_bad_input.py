@@ -3,7 +3,9 @@ before any optimizer step, leaving the user's model untouched."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -77,6 +79,23 @@ async def test_bad_loss(loss_fn: Callable[..., Any], match: str) -> None:
 
 async def test_empty_data() -> None:
     await refuse(gsync.ConfigError, "no batch", data=[])
+
+
+class WithoutLength:
+    """Re-iterable data whose length is not known up front (a loader over an iterable dataset)."""
+
+    def __iter__(self) -> Any:
+        return iter(BATCHES)
+
+
+@pytest.mark.parametrize("data", [BATCHES, WithoutLength()], ids=["with-a-length", "without-one"])
+async def test_data_with_fewer_batches_per_epoch_than_a_step_of_accumulate(data: Any, tmp_path: Path) -> None:
+    # Three batches per epoch never fill a step of four: nothing would train, and no file may claim otherwise.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without a length, each epoch first warns that its batches are left out
+        await refuse(gsync.ConfigError, "accumulate=4", data=data, accumulate=4, epochs=2,
+                     checkpoint_dir=tmp_path, checkpoint_every=1)
+    assert list(tmp_path.iterdir()) == []
 
 
 async def test_data_that_is_a_tensor_a_dict_or_not_iterable() -> None:
