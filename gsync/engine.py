@@ -228,6 +228,7 @@ class Engine:
         The recipe features are the same as :meth:`fit`'s:
 
         - ``scheduler=lambda optimizer: torch.optim.lr_scheduler.X(optimizer, ...)``
+          (or a scheduler class whose other arguments have defaults, ``scheduler=LinearLR``)
           builds one LR scheduler per replica, stepped once after every step
           (applied or skipped), as a plain loop does; its state is in every checkpoint.
         - ``clip_grad_norm=max_norm`` clips the *reduced* gradient, as
@@ -426,7 +427,9 @@ def _recipe(
         )
     if not callable(loss_fn):
         raise InputTypeError("loss_fn must be callable as loss_fn(model, shard) -> scalar tensor")
-    if scheduler is not None and (not callable(scheduler) or hasattr(scheduler, "step")):
+    # A scheduler already built has a step method; so does a scheduler class, which is a factory (LinearLR).
+    built = hasattr(scheduler, "step") and not isinstance(scheduler, type)
+    if scheduler is not None and (not callable(scheduler) or built):
         raise InputTypeError(
             "scheduler must be a factory, called once per replica with that replica's optimizer, "
             "e.g. scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 10)"

@@ -99,6 +99,22 @@ async def test_lr_schedule_matches_a_plain_loop_and_is_checkpointed(num_devices:
     assert [record.lr for record in fitted.history] == pytest.approx(lrs)
 
 
+async def test_a_scheduler_class_is_a_factory_as_an_optimizer_class_is() -> None:
+    # scheduler=LinearLR builds LinearLR(optimizer) per replica, as optimizer=SGD would build SGD(params) (were its
+    # lr defaulted); the class has a step attribute, but it is not a scheduler already built.
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(6, 16)]
+    expected, _, lrs, _ = plain_loop(model, steps, scheduler=torch.optim.lr_scheduler.LinearLR)
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    trained, results, _ = await session_loop(
+        engine, model, steps, optimizer=sgd, scheduler=torch.optim.lr_scheduler.LinearLR
+    )
+    assert len(set(lrs)) > 1  # the schedule moved the rate
+    assert [r.lr for r in results] == pytest.approx(lrs)
+    assert_same_state(trained, expected)
+
+
 async def test_a_resumed_session_continues_the_schedule_exactly() -> None:
     torch.manual_seed(0)
     model = TiedNet()
