@@ -448,16 +448,20 @@ class DeviceActor:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def _skip(self, synced: StepSynced) -> StepApplied:
+    def _skip(self, synced: StepSynced) -> tuple[StepApplied, None]:
         # The step is left out, but the next step writes the buckets, which
         # must still wait for this step's reductions.
         self._context.streams.before_apply(self.index)
         lr = self._learning_rate()
-        # The schedule follows the step count, as in a plain loop that skips a step.
-        self._step_scheduler()
-        # Left out everywhere, so the replica is as consistent after it as before.
-        self.applied_step = synced.step
-        return StepApplied(self.index, synced.step, synced.loss, lr, None, True)
+        with self._enter("optimizer"):
+            # The schedule follows the step count, as in a plain loop that skips a step; a checkpoint holds the
+            # scheduler's state as of the parameters' step, as in _apply.
+            self.optimizer_dirty = True
+            self._step_scheduler()
+            # Left out everywhere, so the replica is as consistent after it as before.
+            self.applied_step = synced.step
+            self.optimizer_dirty = False
+        return StepApplied(self.index, synced.step, synced.loss, lr, None, True), None
 
     def _apply(self, synced: StepSynced) -> tuple[StepApplied, float | None]:
         self._context.streams.before_apply(self.index)
@@ -574,8 +578,12 @@ class DeviceActor:
                 self.queued = self.waiting = False
             raise
 
-    async def evaluate(self, data: Any, rows: int, metric_fn: MetricFn) -> dict[str, float]:
+    async def evaluate(self, data: Any, rows: int, metric_fn: MetricFn, after_step: int) -> dict[str, float]:
         """Evaluate this device's shard of one batch in its worker thread; values are row-weighted sums.
+
+        ``after_step``: the session's last step, which its errors name (a
+        session resumed after step N evaluates after step N before this
+        device has run a step of its own).
 
         :raises ~gsync.WorkerFailed: when ``metric_fn`` raises.
         :raises ~gsync.SyncTimeout: when it runs longer than ``sync_timeout`` (its wait behind other devices on a
@@ -583,6 +591,7 @@ class DeviceActor:
         """
         if rows == 0:
             return {}
+        self.step = after_step
         timeout = self._context.sync_timeout
         try:
             result: dict[str, float] = await self._in_thread(self._evaluate, data, rows, metric_fn, timeout=timeout)
@@ -654,20 +663,18 @@ class DeviceActor:
     async def _apply_synced(self, step: int, message: DeviceMessage) -> bool:
         match message:
             case StepSynced(step=synced_step, skip=skip) if synced_step == step:
-                if skip:
-                    applied = await self._in_thread(self._skip, message)
-                else:
-                    try:
-                        applied, fingerprint = await self._in_thread(
-                            self._apply, message, timeout=self._context.sync_timeout
-                        )
-                    except JobTimedOut:
-                        self._context.abort.set()
-                        raise SyncTimeout(
-                            step, self._context.sync_timeout, stalled_devices=[self.spec.name], site="optimizer step"
-                        )
-                    if fingerprint is not None and self._context.fingerprints is not None:
-                        self._context.fingerprints.record(step, self.index, fingerprint)
+                timeout = self._context.sync_timeout
+                try:
+                    # A skipped step still steps the LR scheduler: user code, under the same deadline.
+                    applied, fingerprint = await self._in_thread(self._skip if skip else self._apply, message, timeout=timeout)
+                except JobTimedOut:
+                    self._context.abort.set()
+                    raise SyncTimeout(
+                        step, timeout, stalled_devices=[self.spec.name], site="optimizer step",
+                        last_seen={self.spec.name: self.where()},
+                    ) from None
+                if fingerprint is not None and self._context.fingerprints is not None:
+                    self._context.fingerprints.record(step, self.index, fingerprint)
                 self._context.session.post(applied)
                 return True
             case StepSynced():

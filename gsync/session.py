@@ -298,7 +298,7 @@ class Session:
                     results: list[dict[str, float]] = [{} for _ in self._actors]
 
                     async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
-                        results[index] = await actor.evaluate(shard, count, fn)
+                        results[index] = await actor.evaluate(shard, count, fn, after)
 
                     work = list(enumerate(zip(self._actors, shards, counts)))
                     if first_calls_in_turn:

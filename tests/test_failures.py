@@ -138,6 +138,7 @@ async def test_stalled_device_raises_sync_timeout_naming_it(site: str, no_leaks:
         # Device 0 has moved on to step 3; either the server (step 3 never
         # arrived from cpu:1) or cpu:1's own optimizer timer reports first.
         assert error.step in (2, 3) and "optimizer" in str(error)
+        assert error.last_seen == {"cpu:1": "step 2, optimizer"}
     else:
         assert error.step == 2 and error.missing and {d for d, _ in error.missing} == {"cpu:1"}
         assert error.last_seen == {"cpu:1": f"step 2, {site}"}
@@ -293,6 +294,35 @@ async def test_non_finite_loss_can_skip_the_step_on_every_device() -> None:
     assert result.skipped_steps == [2]
     assert len(result.losses) == 5 and not torch.isfinite(torch.tensor(result.losses[2]))
     assert_same_state(model, expected_model)
+
+
+def _step_1_not_finite() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    batches = make_batches(4, 12)
+    batches[1][0][7, 0] = float("nan")  # a row of device 1's shard
+    return batches
+
+
+async def test_a_skipped_steps_scheduler_fails_at_the_optimizer_site(no_leaks: None) -> None:
+    # A skipped step still steps the LR scheduler, in the optimizer phase: user code, reported where it ran.
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1 / (epoch - 2))  # raises in step 1's step()
+
+    engine = gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip")
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(TiedNet(), _step_1_not_finite(), optimizer=sgd, loss_fn=classification_loss, scheduler=schedule)
+    assert (caught.value.step, caught.value.site) == (1, "optimizer")
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    assert caught.value.last_step == 0
+
+
+async def test_a_skipped_step_that_stalls_times_out_as_an_optimizer_step_does(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip", sync_timeout=0.3)
+    fault = gsync.testing.stall(device=1, step=1, site="optimizer")
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        await engine.fit(TiedNet(), _step_1_not_finite(), optimizer=sgd, loss_fn=classification_loss)
+    assert fault.fired_at is not None
+    assert caught.value.stalled_devices == ("cpu:1",) and "optimizer" in str(caught.value)
+    assert caught.value.last_seen == {"cpu:1": "step 1, optimizer"}
 
 
 async def test_replica_divergence_is_detected() -> None:

@@ -326,6 +326,21 @@ async def test_a_stalled_evaluation_raises_sync_timeout_naming_the_device(
     assert error.checkpoint is not None and error.checkpoint.step == 0
 
 
+async def test_an_evaluation_in_a_resumed_session_is_after_the_step_it_resumed_from(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO, sync_timeout=0.3)
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        for batch in make_batches(3, 8):
+            await session.step(batch)
+        checkpoint = session.checkpoint()
+    fault = gsync.testing.stall(device=1, step=2, site="evaluate")
+    with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss, resume=checkpoint) as session:
+            await session.evaluate(make_batches(1, 8))  # before this session's first step
+    assert fault.fired_at is not None
+    assert caught.value.step == 2 and caught.value.last_seen == {"cpu:1": "step 2, evaluate"}
+    assert str(caught.value).startswith("evaluate after step 2 did not complete within 0.3 s")
+
+
 async def test_the_checkpoint_of_a_stalled_evaluation_is_read_from_a_replica_no_job_still_uses() -> None:
     engine = gsync.Engine(TWO, sync_timeout=0.3)
     release = threading.Event()
