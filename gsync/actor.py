@@ -666,7 +666,8 @@ class DeviceActor:
                 timeout = self._context.sync_timeout
                 try:
                     # A skipped step still steps the LR scheduler: user code, under the same deadline.
-                    applied, fingerprint = await self._in_thread(self._skip if skip else self._apply, message, timeout=timeout)
+                    job = self._skip if skip else self._apply
+                    applied, fingerprint = await self._in_thread(job, message, timeout=timeout)
                 except JobTimedOut:
                     self._context.abort.set()
                     raise SyncTimeout(

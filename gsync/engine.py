@@ -8,6 +8,7 @@ is a loop over a session.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
@@ -434,6 +435,8 @@ def _recipe(
             "scheduler must be a factory, called once per replica with that replica's optimizer, "
             "e.g. scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 10)"
         )
+    if isinstance(scheduler, type):
+        _check_builds_from_the_optimizer_alone(scheduler)
     if clip_grad_norm is not None:
         clip_grad_norm = _positive("clip_grad_norm", clip_grad_norm)
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
@@ -451,6 +454,19 @@ def _recipe(
         clip_grad_norm=clip_grad_norm,  # type: ignore[arg-type]
         autocast=autocast,  # type: ignore[arg-type]
     )
+
+
+def _check_builds_from_the_optimizer_alone(scheduler: type) -> None:
+    try:
+        inspect.signature(scheduler).bind(object())
+    except ValueError:
+        return  # no signature to read (a builtin): building it will tell
+    except TypeError as error:
+        name = scheduler.__name__
+        raise InputTypeError(
+            f"scheduler={name} needs more than the optimizer to build ({error}); give a factory instead, "
+            f"e.g. scheduler=lambda optimizer: {name}(optimizer, ...)"
+        ) from None
 
 
 def _check_data(data: object, epochs: object) -> None:

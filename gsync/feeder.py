@@ -27,7 +27,14 @@ from ._threads import LoopHandle, WorkerThread
 from .errors import ConfigError, DataFailed, GsyncError, InputTypeError
 
 __all__ = (
-    "BatchRead", "BatchReader", "batches_per_epoch", "check_batch_source", "EpochEnded", "Feeder", "FeedItem", "ReadFailed",
+    "BatchRead",
+    "BatchReader",
+    "batches_per_epoch",
+    "check_batch_source",
+    "EpochEnded",
+    "Feeder",
+    "FeedItem",
+    "ReadFailed",
 )
 
 _END = object()
@@ -59,7 +66,7 @@ def batches_per_epoch(data: object) -> int | None:
     """``len(data)``, or ``None`` for data without one (a generator, a loader over an iterable dataset)."""
     try:
         return len(data)  # type: ignore[arg-type]
-    except TypeError:
+    except Exception:  # noqa: BLE001 - a __len__ that cannot tell (NotImplementedError, ...) leaves it unknown
         return None
 
 

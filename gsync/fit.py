@@ -78,11 +78,16 @@ async def run_fit(
                     f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
                     "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
                 )
+            # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
+            # from it continues as one that never stopped, which would not have called on_fit_end there.
+            checkpoint = replace(session.checkpoint(), data_position=loop.position)
+            steps_before = session.next_step
             try:
                 await loop.call("on_fit_end", session)
             except StopTraining:
                 pass  # training has ended anyway
-            checkpoint = replace(session.checkpoint(), data_position=loop.position)
+            if session.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
+                checkpoint = replace(session.checkpoint(), data_position=loop.position)
             if writer is not None:
                 await writer.write(checkpoint)
                 await writer.close()
@@ -223,15 +228,18 @@ class _FitLoop:
         except StopTraining:
             await self._write(due, generators_now=True)
             raise
-        except Exception:
-            # The step is consistent and its file is still written; the callback's error is the one raised.
+        except BaseException:
+            # A callback raised, or the fit is being cancelled (a notebook interrupt during an evaluate in
+            # on_step_end): the step is consistent and its file is still written, with the generators as the
+            # step left them; what the callback raised (or the cancellation) is what propagates.
             with contextlib.suppress(CheckpointError):
                 await self._write(due, generators_now=False)
             raise
         await self._write(due, generators_now=True)
 
     async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
-        """Write the checkpoint a step was due, copied as the step ended; with the generators as they are now.
+        """Write the checkpoint a step was due, copied as the step ended; ``generators_now``: with the random
+        generators as they are now, once the step's callbacks have run.
 
         The next step starts from the generators as the step's callbacks
         leave them (a callback may draw from them: a sampled log line), so
@@ -241,7 +249,10 @@ class _FitLoop:
             return
         if generators_now and due.rng_state is not None:
             due = replace(due, rng_state=self.session._generators())
-        await self.writer.write(due)
+        # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran
+        # must not cost that step's file; handing it over waits at most for the write before it.
+        with anyio.CancelScope(shield=True):
+            await self.writer.write(due)
 
     def _check_position(self) -> None:
         """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""

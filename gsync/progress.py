@@ -32,7 +32,7 @@ class Progress:
         self._first_step = first_step
         self._unshown: dict[str, Any] | None = None
         try:
-            from tqdm.auto import tqdm  # type: ignore[import-untyped]  # optional; no stubs installed
+            from tqdm.auto import tqdm  # type: ignore[import-untyped, import-not-found, unused-ignore]  # optional
         except ImportError:
             return
         self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)

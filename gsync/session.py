@@ -285,9 +285,10 @@ class Session:
         rows_seen = 0
         after = self._next_step - 1
         reader = BatchReader(data, self._loop_handle())
-        # Before the session's first step, the first batch makes the CPU devices' first calls into torch's kernels:
-        # one device at a time, as in that step (FirstStepInTurn).
-        first_calls_in_turn = _built(self._context).first_step is not None and _built(self._server).steps_synced == 0
+        # Before the session's first step, a CPU device's first shard makes its first calls into torch's kernels:
+        # one device at a time, as in that step (FirstStepInTurn), until each has had rows to evaluate.
+        in_turn = _built(self._context).first_step is not None and _built(self._server).steps_synced == 0
+        first_calls = set(range(len(self._actors))) if in_turn else set()
         try:
             async with aclosing(reader.batches(lambda read: DataFailed(after, site="evaluate", batch=read))) as batches:
                 number = 0
@@ -301,8 +302,9 @@ class Session:
                         results[index] = await actor.evaluate(shard, count, fn, after)
 
                     work = list(enumerate(zip(self._actors, shards, counts)))
-                    if first_calls_in_turn:
-                        first_calls_in_turn = False
+                    with_rows = {index for index, count in enumerate(counts) if count > 0}
+                    if first_calls & with_rows:
+                        first_calls -= with_rows
                         for index, (actor, shard, count) in work:
                             await run(index, actor, shard, count)
                     else:

@@ -14,9 +14,9 @@ Nothing here waits with a sleep: progress is observed through messages, and
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -696,25 +696,32 @@ async def test_a_timeout_counts_the_posts_that_did_not_wake_the_server() -> None
         assert sorted(bucket for _, bucket in error.missing) == [0, 1, 2]
 
 
-async def test_from_the_moment_a_step_is_past_its_deadline_nothing_more_is_launched() -> None:
-    # The last readiness arrives in the same turn of the loop as the deadline, posted first: the server reads it
-    # only after the deadline has passed, so it counts as arrived in the report, and bucket 2 is not launched.
-    timeout = 0.05
-    async with server_rig(sync_timeout=timeout) as rig:
+async def test_from_the_moment_a_step_is_past_its_deadline_nothing_more_is_launched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The last readiness is posted, and then, before the server has read it, the step's deadline passes (on a
+    # busy loop both land in one turn): the server reads it only after the deadline, so it counts as arrived in
+    # the report, and bucket 2 is not launched. The test passes the deadline itself, so no clock decides.
+    async with server_rig() as rig:
+        deadlines: list[Callable[[], object]] = []
+
+        def hold_the_deadline(delay: float, callback: Callable[..., object], *args: object) -> Callable[[], None]:
+            deadlines.append(functools.partial(callback, *args))
+            return lambda: None
+
+        monkeypatch.setattr(rig.context.loop, "call_later", hold_the_deadline)
         rig.start_step_with_every_loss()
         for device, bucket in [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2)]:
             rig.ready(device, bucket)
 
-        async def post_the_last_readiness_as_the_deadline_passes() -> None:
+        async def post_the_last_readiness_then_pass_the_deadline() -> None:
             await anyio.wait_all_tasks_blocked()  # the server waits, its deadline set
-            # Holding the loop past the deadline is what a loop busy elsewhere does: on the loop's next turn the
-            # post (queued first) and the deadline's timer (due meanwhile) run one after the other, and only
-            # then does the server read the readiness.
-            time.sleep(4 * timeout)
-            rig.context.loop.call_soon(rig.ready, 1, 2)
+            assert len(deadlines) == 1
+            rig.ready(1, 2)
+            deadlines[0]()
 
         async with anyio.create_task_group() as group:
-            group.start_soon(post_the_last_readiness_as_the_deadline_passes)
+            group.start_soon(post_the_last_readiness_then_pass_the_deadline)
             with anyio.fail_after(WAIT_S), pytest.raises(gsync.SyncTimeout) as caught:
                 await rig.server.run()
         assert rig.launches() == [0, 1]

@@ -88,13 +88,23 @@ class WithoutLength:
         return iter(BATCHES)
 
 
-@pytest.mark.parametrize("data", [BATCHES, WithoutLength()], ids=["with-a-length", "without-one"])
-async def test_data_with_fewer_batches_per_epoch_than_a_step_of_accumulate(data: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (BATCHES, r"data has 3 batch\(es\) per epoch, fewer than the accumulate=4"),  # before any work
+        (WithoutLength(), r"no optimizer step ran: no epoch of data had the accumulate=4 batches"),  # once read
+    ],
+    ids=["with-a-length", "without-one"],
+)
+async def test_data_with_fewer_batches_per_epoch_than_a_step_of_accumulate(
+    data: Any, match: str, tmp_path: Path
+) -> None:
     # Three batches per epoch never fill a step of four: nothing would train, and no file may claim otherwise.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without a length, each epoch first warns that its batches are left out
-        await refuse(gsync.ConfigError, "accumulate=4", data=data, accumulate=4, epochs=2,
-                     checkpoint_dir=tmp_path, checkpoint_every=1)
+        await refuse(
+            gsync.ConfigError, match, data=data, accumulate=4, epochs=2, checkpoint_dir=tmp_path, checkpoint_every=1
+        )
     assert list(tmp_path.iterdir()) == []
 
 

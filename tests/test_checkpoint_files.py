@@ -8,12 +8,13 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 import gsync
 import gsync.testing
-from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd
+from conftest import CancelAfterStep, TiedNet, assert_same_state, classification_loss, make_batches, sgd
 from test_recipes import step_lr
 
 pytestmark = pytest.mark.asyncio
@@ -236,13 +237,56 @@ async def test_a_checkpoint_written_during_a_fit_keeps_the_generators_its_callba
     args: dict[str, Any] = {"optimizer": sgd, "loss_fn": classification_loss, "epochs": 2,
                             "callbacks": [DrawsInItsCallbacks()]}
     torch.manual_seed(1)
-    straight = await engine.fit(copy.deepcopy(model), batches, checkpoint_dir=tmp_path, checkpoint_every=1, keep=6, **args)
+    straight = await engine.fit(
+        copy.deepcopy(model), batches, checkpoint_dir=tmp_path, checkpoint_every=1, keep=6, **args
+    )
     for after_step in (1, 2):  # within an epoch, and at its end (after its on_epoch_end too)
         torch.manual_seed(99)
         resumed = await engine.fit(copy.deepcopy(model), batches, resume=tmp_path / f"step-{after_step:08d}.pt", **args)
         assert resumed.first_step == after_step + 1
         assert resumed.losses == straight.losses[after_step + 1 :]
         assert_same_state(resumed.model, straight.model, atol=0)
+
+
+class CancelsDuringAnEvaluation:
+    """Cancels the fit while awaiting an evaluation in on_step_end, as a notebook interrupt there would."""
+
+    def __init__(self, scope: anyio.CancelScope, step: int) -> None:
+        self.scope, self.step = scope, step
+
+    async def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+        if result.step == self.step:
+            self.scope.cancel()
+            await session.evaluate(make_batches(1, 8))
+
+
+@pytest.mark.parametrize("callback", [CancelAfterStep, CancelsDuringAnEvaluation])
+async def test_a_fit_cancelled_in_a_steps_callback_still_writes_that_steps_due_file(
+    tmp_path: Path, callback: Any
+) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with anyio.CancelScope() as scope:
+        await engine.fit(TiedNet(), make_batches(4, 8), optimizer=sgd, loss_fn=classification_loss,
+                         checkpoint_dir=tmp_path, checkpoint_every=1, keep=5, callbacks=[callback(scope, 1)])
+    assert scope.cancelled_caught
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000000.pt", "step-00000001.pt"]
+    assert gsync.Checkpoint.load(tmp_path / "step-00000001.pt").step == 1
+
+
+async def test_the_final_checkpoint_keeps_the_generators_as_they_were_before_on_fit_end(tmp_path: Path) -> None:
+    # A run that continues from it would not have called on_fit_end there: what on_fit_end draws is not in it.
+    before_on_fit_end: list[torch.Tensor] = []
+
+    class DrawsAtTheEnd:
+        def on_fit_end(self, session: gsync.Session) -> None:
+            before_on_fit_end.append(torch.get_rng_state())
+            torch.rand(3)
+
+    result = await gsync.Engine(["cpu"]).fit(TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss,
+                                             checkpoint_dir=tmp_path, callbacks=[DrawsAtTheEnd()])
+    saved = gsync.Checkpoint.load(tmp_path / "step-00000002.pt")
+    for checkpoint in (result.checkpoint, saved):
+        assert checkpoint.rng_state is not None and torch.equal(checkpoint.rng_state["torch"], before_on_fit_end[0])
 
 
 async def test_a_callback_that_fails_after_a_step_leaves_that_steps_checkpoint_written(tmp_path: Path) -> None:

