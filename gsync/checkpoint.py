@@ -14,7 +14,7 @@ A checkpoint saves to and loads from a file (:meth:`Checkpoint.save`,
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +79,10 @@ class Checkpoint:
             "rng_state": self.rng_state,
             "data_position": self.data_position,
         }
-        handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent)
+        # Created as open() creates files (0666 less the umask: 0644 usually), not mkstemp's private 0600, so
+        # another user or service that may read the directory can load the checkpoint.
+        temporary = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
             with os.fdopen(handle, "wb") as file:
                 torch.save(payload, file)
@@ -87,7 +90,7 @@ class Checkpoint:
                 os.fsync(file.fileno())
             os.replace(temporary, target)
         except BaseException:
-            Path(temporary).unlink(missing_ok=True)
+            temporary.unlink(missing_ok=True)
             raise
         _fsync_directory(target.parent)
         return target

@@ -81,15 +81,21 @@ def newest_checkpoint(directory: Path) -> Checkpoint | None:
     return None
 
 
-def resolve_resume(resume: Checkpoint | str | os.PathLike[str] | None) -> Checkpoint | None:
+def resolve_resume(
+    resume: Checkpoint | str | os.PathLike[str] | None, checkpoint_dir: str | os.PathLike[str] | None = None
+) -> Checkpoint | None:
     """A checkpoint as given, a file loaded, or the newest checkpoint of a directory (``None`` if it has none).
+
+    A path that does not exist yet is a directory when it is ``checkpoint_dir`` (the same command line for the
+    first run and every restart, ``exp_lr0.01`` included) or has no suffix; otherwise a file that is missing.
 
     :raises ~gsync.CheckpointError: for a file that cannot be loaded.
     """
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     path = Path(resume)
-    if path.is_dir() or not path.exists() and not path.suffix:
+    is_checkpoint_dir = checkpoint_dir is not None and path.absolute() == Path(checkpoint_dir).absolute()
+    if path.is_dir() or not path.exists() and (is_checkpoint_dir or not path.suffix):
         # A directory (or one not made yet): the same command line serves the
         # first run and every restart.
         return newest_checkpoint(path)
@@ -136,7 +142,11 @@ class CheckpointWriter:
 
     def _save(self, checkpoint: Checkpoint) -> Path:
         path = checkpoint.save(checkpoint_path(self.directory, checkpoint.step))
-        for _, old in _by_step(self.directory)[: -self.keep]:
+        # keep counts the files up to this one: a file numbered past it is not of this run's timeline (an
+        # unreadable newer file that resume skipped, a run resumed from an older file), and counting it could
+        # delete what was just written.
+        this_timeline = [old for step, old in _by_step(self.directory) if step <= checkpoint.step]
+        for old in this_timeline[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 

@@ -355,7 +355,7 @@ class Engine:
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
         :raises ~gsync.PeerFailed: when another process's fit failed.
         """
-        resume = _resolve_resume(resume)
+        resume = _resolve_resume(resume, checkpoint_dir)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         _check_data(data, epochs)
         checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)
@@ -398,9 +398,10 @@ def _default_devices_of_this_process() -> list[str]:
     return ["cpu"]
 
 
-def _resolve_resume(resume: object) -> Checkpoint | None:
+def _resolve_resume(resume: object, checkpoint_dir: object = None) -> Checkpoint | None:
     if resume is None or isinstance(resume, (Checkpoint, str, os.PathLike)):
-        return resolve_resume(resume)  # type: ignore[arg-type]
+        directory = checkpoint_dir if isinstance(checkpoint_dir, (str, os.PathLike)) else None
+        return resolve_resume(resume, directory)  # type: ignore[arg-type]
     raise InputTypeError(
         f"resume must be a gsync.Checkpoint, a checkpoint file or a checkpoint directory, got {type(resume).__name__}"
     )

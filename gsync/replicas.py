@@ -51,7 +51,15 @@ def build_replicas(
             module.load_state_dict(resume.model_state)
             # load_state_dict keeps tensors that need no cast as they are:
             # without a copy, every replica would step one shared momentum buffer.
-            optimizer.load_state_dict(copy.deepcopy(resume.optimizer_state))
+            try:
+                optimizer.load_state_dict(copy.deepcopy(resume.optimizer_state))
+            except ValueError as error:
+                # The model's keys and shapes fit (checked up front), its trainable parameters do not.
+                raise ConfigError(
+                    f"the checkpoint's optimizer state (step {resume.step}) does not fit this optimizer: {error}; "
+                    "resume with the parameters that required grad, and the optimizer's parameter groups, "
+                    "as when it was taken"
+                ) from error
             if scheduler is not None and resume.scheduler_state is not None:
                 scheduler.load_state_dict(copy.deepcopy(resume.scheduler_state))
             if scaler is not None and resume.scaler_state is not None:

@@ -80,8 +80,8 @@ class Fault:
 def _check(device: int | None, step: int, site: str) -> None:
     if site not in _SITES:
         raise ValueError(f"site must be one of {_SITES}, got {site!r}")
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
+    if step < 0 and not (site == "evaluate" and step == -1):
+        raise ValueError(f"step must be >= 0 (or -1 for an evaluate before the first step), got {step}")
     if device is not None and device < 0:
         raise ValueError(f"device must be a device index >= 0, got {device}")
 

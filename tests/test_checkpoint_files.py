@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ async def test_a_saved_checkpoint_loads_back_equal(tmp_path: Path) -> None:
     _, checkpoint = await _trained_checkpoint()
     path = checkpoint.save(tmp_path / "run" / "step2.pt")
     assert path.exists() and os.listdir(path.parent) == ["step2.pt"]  # no temporary file left behind
+    # Readable as any file the user's process creates (0644 under the usual umask), not private as a temp file.
+    created = tmp_path / "created by open()"
+    created.write_bytes(b"")
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(created.stat().st_mode)
     loaded = gsync.Checkpoint.load(path)
     assert loaded.step == checkpoint.step == 2
     for name, value in checkpoint.model_state.items():
@@ -150,6 +155,37 @@ async def test_the_same_command_line_starts_fresh_and_resumes_after_a_crash(tmp_
     assert resumed.first_step == 6
     assert_same_state(resumed.model, straight.model, atol=0)
     assert resumed.losses == straight.losses[6:]
+
+
+async def test_a_checkpoint_dir_named_with_a_dot_starts_fresh_then_resumes(tmp_path: Path) -> None:
+    directory = tmp_path / "exp_lr0.01"  # not there yet, and it has a "suffix": still the directory of the run
+
+    async def run(batches: int) -> gsync.FitResult:
+        return await gsync.Engine(["cpu"]).fit(TiedNet(), make_batches(batches, 8), optimizer=sgd,
+                                               loss_fn=classification_loss, checkpoint_dir=directory, resume=directory)
+
+    assert (await run(2)).first_step == 0
+    assert (await run(4)).first_step == 2
+
+
+async def test_keep_never_deletes_what_it_just_wrote_for_a_higher_numbered_file(tmp_path: Path) -> None:
+    # A newer file that does not load is skipped by resume; counting it in keep would delete the run's new files.
+    (tmp_path / "step-00000099.pt").write_bytes(b"not a checkpoint")
+    with pytest.warns(UserWarning, match="skipping an unreadable checkpoint"):
+        await gsync.Engine(["cpu"]).fit(TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss,
+                                        checkpoint_dir=tmp_path, checkpoint_every=1, keep=1, resume=tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["step-00000002.pt", "step-00000099.pt"]
+    assert gsync.Checkpoint.load(tmp_path / "step-00000002.pt").step == 2
+
+
+async def test_resuming_with_other_trainable_parameters_is_a_config_error() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    engine = gsync.Engine(["cpu"])
+    result = await engine.fit(model, make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
+    next(model.parameters()).requires_grad_(False)  # frozen since: the optimizer has one parameter fewer
+    with pytest.raises(gsync.ConfigError, match="optimizer state .* does not fit this optimizer"):
+        await engine.fit(model, make_batches(4, 8), optimizer=sgd, loss_fn=classification_loss, resume=result.checkpoint)
 
 
 async def test_an_unreadable_newest_checkpoint_is_skipped_with_a_warning(tmp_path: Path) -> None:

@@ -428,7 +428,18 @@ async def test_fault_arguments_are_checked() -> None:
         gsync.testing.fail(0, 0, "sideways")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="step"):
         gsync.testing.stall(0, -1, "forward")
+    with pytest.raises(ValueError, match="step"):
+        gsync.testing.stall(0, -2, "evaluate")
 
+
+async def test_an_evaluate_before_the_first_step_can_be_made_to_fail(no_leaks: None) -> None:
+    # Its step is -1, as the module says: a sanity check before training is testable like any other phase.
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=-1, site="evaluate")):
+        with pytest.raises(gsync.WorkerFailed) as caught:
+            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+                await session.evaluate(make_batches(1, 8))
+    assert (caught.value.step, caught.value.site, caught.value.device_index) == (-1, "evaluate", 1)
 
 
 async def test_checkpoint_after_skipped_steps_resumes_exactly(no_leaks: None) -> None:
