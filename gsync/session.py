@@ -591,7 +591,7 @@ class Session:
         runtime = self._runtime
         if runtime is not None:
             setup = _built(self._setup)
-            await setup.run(lambda: runtime.prepare([r.module for r in replicas]))
+            await setup.run(lambda: runtime.prepare([r.module for r in replicas], self.first_step))
         parts = assemble(engine, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local)
         self._topology = parts.topology
         self._context = parts.context

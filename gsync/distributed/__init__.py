@@ -8,8 +8,8 @@ the group's timeout.
 - :func:`join` joins (or adopts) the group and the key/value store that comes
   with it, and agrees on a run id so a second fit in the same processes never
   reads the first fit's keys.
-- :func:`gather_topology`, :func:`verify_same_parameters` and
-  :func:`broadcast_module_state` run once at the start of a fit;
+- :func:`gather_topology`, :func:`verify_same_parameters`, :func:`verify_same_start`
+  and :func:`broadcast_module_state` run once at the start of a fit;
   :func:`agree_on_order` before the bucket plan is rebuilt after the first step.
 - :class:`FailureBoard` is the failure side channel: a rank whose worker fails
   writes a :class:`FailureReport` to the store, and every other rank's watcher
@@ -27,6 +27,7 @@ from .agreement import agree_on_order as agree_on_order
 from .agreement import broadcast_module_state as broadcast_module_state
 from .agreement import gather_topology as gather_topology
 from .agreement import verify_same_parameters as verify_same_parameters
+from .agreement import verify_same_start as verify_same_start
 from .failures import FailureBoard as FailureBoard
 from .failures import FailureReport as FailureReport
 from .failures import failure_report as failure_report
@@ -49,4 +50,5 @@ __all__ = (
     "peer_failed",
     "should_use_distributed",
     "verify_same_parameters",
+    "verify_same_start",
 )

@@ -18,7 +18,14 @@ from ..errors import ConfigError
 from ..topology import Topology
 from .membership import GroupMembership
 
-__all__ = ("agree_on_order", "broadcast_module_state", "gather_topology", "union_of_names", "verify_same_parameters")
+__all__ = (
+    "agree_on_order",
+    "broadcast_module_state",
+    "gather_topology",
+    "union_of_names",
+    "verify_same_parameters",
+    "verify_same_start",
+)
 
 # Module state is broadcast in byte buffers of at most this size, so a large
 # model is not duplicated in memory all at once.
@@ -139,6 +146,27 @@ def verify_same_parameters(member: GroupMembership, named_params: Sequence[tuple
         and what differs (name, shape, dtype, or the number of parameters).
     """
     _verify_same(member, _signature(named_params), "parameter")
+
+
+def verify_same_start(member: GroupMembership, first_step: int) -> None:
+    """Check that every rank starts at the same step (resumed from the same checkpoint, or none). Collective.
+
+    Rank 0's parameters are broadcast to every rank, but each rank's
+    optimizer, scheduler and step count come from its own ``resume=``: ranks
+    that resumed from different checkpoints (a checkpoint directory only rank
+    0 can read, on a node of its own) would train on, their replicas drifting
+    apart.
+
+    :raises ~gsync.ConfigError: on every rank alike, naming the ranks' steps.
+    """
+    mine = torch.tensor([first_step], dtype=torch.int64).to(member.device)
+    steps = [int(step) for step in _all_gather(member, mine)]
+    if len(set(steps)) > 1:
+        starts = ", ".join(f"rank {rank} at step {step}" for rank, step in enumerate(steps))
+        raise ConfigError(
+            f"the ranks do not resume from the same checkpoint: {starts}. Give every rank the same resume= "
+            "(a checkpoint_dir on a filesystem every rank sees, or the same file), or none"
+        )
 
 
 def _module_state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

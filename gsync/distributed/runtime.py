@@ -19,7 +19,14 @@ from torch import nn
 from ..agreement import AgreedStep, StepFacts
 from ..errors import ConfigError, GsyncError, LostRank, PeerFailed, PeerLost, SyncTimeout
 from ..topology import Topology
-from .agreement import agree_on_order, broadcast_module_state, gather_topology, union_of_names, verify_same_parameters
+from .agreement import (
+    agree_on_order,
+    broadcast_module_state,
+    gather_topology,
+    union_of_names,
+    verify_same_parameters,
+    verify_same_start,
+)
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
 from .heartbeat import Heartbeat, Whereabouts
 from .membership import GroupMembership, join
@@ -93,14 +100,16 @@ class ProcessGroupRuntime:
             raise
         return cls(membership, topology, heartbeat)
 
-    def prepare(self, replicas: Sequence[nn.Module]) -> None:
-        """Check every rank trains the same parameters and start every replica from rank 0's state. Collective.
+    def prepare(self, replicas: Sequence[nn.Module], first_step: int) -> None:
+        """Check every rank trains the same parameters from the same step, and start every replica from rank 0's
+        state. Collective.
 
         :raises ~gsync.ConfigError: on every rank, naming the first parameter
-            (and rank) that differs.
+            (and rank) that differs, or the ranks' steps when they resumed from different checkpoints.
         """
         first = replicas[0]
         verify_same_parameters(self.membership, [(n, p) for n, p in first.named_parameters() if p.requires_grad])
+        verify_same_start(self.membership, first_step)
         broadcast_module_state(self.membership, first)
         state = first.state_dict()
         for replica in replicas[1:]:

@@ -33,6 +33,7 @@ from gsync.distributed import (
     peer_failed,
     should_use_distributed,
     verify_same_parameters,
+    verify_same_start,
 )
 from gsync.topology import Topology
 
@@ -111,6 +112,10 @@ def scenario() -> dict[str, Any]:
     if rank == 1:
         buffered.register_buffer("extra", torch.zeros(2))
     seen["buffer_mismatch"] = _error_of(lambda: broadcast_module_state(session, buffered))
+
+    # Ranks that resumed from different checkpoints (or one from none) would drift apart: refused everywhere.
+    seen["same_start_ok"] = _error_of(lambda: verify_same_start(session, 5))
+    seen["start_mismatch"] = _error_of(lambda: verify_same_start(session, 3 if rank == 0 else 0))
 
     # The bucket order of rank 0 wins; orders of different lengths are an error everywhere.
     seen["agreed_order"] = agree_on_order(session, [3, 1, 2, 0] if rank == 0 else [0, 1, 2, 3])
@@ -209,6 +214,7 @@ def test_broadcast_module_state_copies_rank_0(observed: list[dict[str, Any]]) ->
         ("dtype_mismatch", ["'scale'", "dtype float16 on rank 1 but float32 on rank 0"]),
         ("name_mismatch", ["parameter 2 is 'other.first.bias' on rank 1 but 'first.bias' on rank 0"]),
         ("buffer_mismatch", ["parameter or buffer 9 is 'extra' on rank 1 but 'norm.running_mean' on rank 0"]),
+        ("start_mismatch", ["do not resume from the same checkpoint", "rank 0 at step 3, rank 1 at step 0"]),
     ],
 )
 def test_mismatch_raises_config_error_on_every_rank(observed: list[dict[str, Any]], key: str, needles: list[str]) -> None:
@@ -218,6 +224,10 @@ def test_mismatch_raises_config_error_on_every_rank(observed: list[dict[str, Any
     assert kind == "ConfigError"
     for needle in needles:
         assert needle in message
+
+
+def test_ranks_that_start_at_the_same_step_pass_the_check(observed: list[dict[str, Any]]) -> None:
+    assert [o["same_start_ok"] for o in observed] == [None, None]
 
 
 def test_ranks_agree_on_rank_0s_bucket_order(observed: list[dict[str, Any]]) -> None:
