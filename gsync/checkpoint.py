@@ -82,7 +82,7 @@ class Checkpoint:
         # Created as open() creates files (0666 less the umask: 0644 usually), not mkstemp's private 0600, so
         # another user or service that may read the directory can load the checkpoint.
         temporary = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
-        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        handle = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         try:
             with os.fdopen(handle, "wb") as file:
                 torch.save(payload, file)

@@ -94,7 +94,7 @@ def resolve_resume(
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     path = Path(resume)
-    is_checkpoint_dir = checkpoint_dir is not None and path.absolute() == Path(checkpoint_dir).absolute()
+    is_checkpoint_dir = checkpoint_dir is not None and path.resolve() == Path(checkpoint_dir).resolve()
     if path.is_dir() or not path.exists() and (is_checkpoint_dir or not path.suffix):
         # A directory (or one not made yet): the same command line serves the
         # first run and every restart.

@@ -314,7 +314,8 @@ class Engine:
           and under CI.
         - ``checkpoint_dir``: write a checkpoint file (``step-00000041.pt``,
           see :meth:`Checkpoint.save`) every ``checkpoint_every`` steps and at
-          the end, keeping the newest ``keep``; only rank 0 writes, in a thread
+          the end, keeping the newest ``keep`` up to the one just written (a
+          higher-numbered file is another run's, left alone); only rank 0 writes, in a thread
           of its own while training goes on (a step pays for copying the state).
           With ``resume=checkpoint_dir`` the same command line serves the
           first run (no checkpoint yet: start from scratch) and every restart.

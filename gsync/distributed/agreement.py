@@ -165,7 +165,9 @@ def verify_same_start(member: GroupMembership, first_step: int) -> None:
         starts = ", ".join(f"rank {rank} at step {step}" for rank, step in enumerate(steps))
         raise ConfigError(
             f"the ranks do not resume from the same checkpoint: {starts}. Give every rank the same resume= "
-            "(a checkpoint_dir on a filesystem every rank sees, or the same file), or none"
+            "(a checkpoint_dir on a filesystem every rank sees, or the same file; after a failure, rank 0's "
+            "error.checkpoint), or none; a directory listed while rank 0 was still writing its newest file, or "
+            "before a network filesystem showed it, also differs"
         )
 
 

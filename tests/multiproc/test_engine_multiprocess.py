@@ -158,6 +158,28 @@ def test_parameter_mismatch_is_refused_on_every_rank_naming_parameter_and_rank()
         assert "embed.weight" in result.value and "rank 1" in result.value, result.value
 
 
+def only_rank_0_resumes() -> str:
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    model = TiedNet()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    resume = gsync.Checkpoint.capture(2, model, sgd(trainable)) if rank == 0 else None
+    try:
+        asyncio.run(gsync.Engine(["cpu"], sync_timeout=20).fit(
+            model, make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, resume=resume
+        ))
+    except gsync.ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_ranks_resuming_from_different_steps_are_refused_on_every_rank() -> None:
+    for result in run_ranks(only_rank_0_resumes, 2, timeout=80, check=True):
+        assert "rank 0 at step 3, rank 1 at step 0" in result.value, result.value
+
+
 def killed_at_step_2() -> dict[str, Any]:
     import gsync
 

@@ -56,8 +56,9 @@ def _fit_with(loss_fn: Any, data: Any, sync_timeout: float, pid_file: Path, culp
     if rank == culprit:
         pid_file.with_suffix(".named").unlink(missing_ok=True)  # a run before this one's (the stress script reuses the file)
         pid_file.write_text(str(os.getpid()))
-    # Every scenario's peer stops after step 0: the bounds on `elapsed` are about how soon a stopped peer is named,
-    # so it is timed from the end of step 0, not from before the process group formed (slow under load).
+    # Every scenario's peer stops after step 0 (before step 1, or at step 2): the bounds on `elapsed` are about how
+    # soon a stopped peer is named, so it is timed from the end of step 0, not from before the process group formed
+    # (slow under load).
     step_0_ended = [time.monotonic()]
 
     class TimesStep0:
