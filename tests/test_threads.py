@@ -327,7 +327,7 @@ def test_trio_timers_run_in_deadline_order_whatever_order_they_were_set_in() -> 
 
 
 def test_a_raising_timer_callback_under_trio_is_logged_not_fatal(caplog: pytest.LogCaptureFixture) -> None:
-    # Under trio timers run on a system task, and a system task that raises would end the whole run.
+    # Under trio a timer is a system task, and a system task that raises would end the whole run.
     async def main() -> None:
         handle = LoopHandle()
         done = handle.event()
