@@ -305,7 +305,7 @@ def _step_1_not_finite() -> list[tuple[torch.Tensor, torch.Tensor]]:
 async def test_a_skipped_steps_scheduler_fails_at_the_optimizer_site(no_leaks: None) -> None:
     # A skipped step still steps the LR scheduler, in the optimizer phase: user code, reported where it ran.
     def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1 / (epoch - 2))  # raises in step 1's step()
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 if epoch < 2 else 1 / 0)  # in step 1's step()
 
     engine = gsync.Engine(["cpu:0", "cpu:1"], on_nonfinite="skip")
     with pytest.raises(gsync.WorkerFailed) as caught:
