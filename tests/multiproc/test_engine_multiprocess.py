@@ -140,16 +140,21 @@ def test_a_failed_rank_is_named_on_every_other_rank() -> None:
     assert peer.value["last_step"] in (1, None) or peer.value["last_step"] <= 2
 
 
-def mismatched_model() -> str:
+def _config_error_of_fit(model: torch.nn.Module, data: Any, **fit_args: Any) -> str:
+    """The ConfigError this rank's fit raises, as text ("no error" if none)."""
     import gsync
 
-    rank = int(os.environ["RANK"])
-    model = TiedNet(hidden=24 if rank == 0 else 25)
+    engine = gsync.Engine(["cpu"], sync_timeout=20)
     try:
-        asyncio.run(gsync.Engine(["cpu"], sync_timeout=20).fit(model, make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss))
+        asyncio.run(engine.fit(model, data, optimizer=sgd, loss_fn=classification_loss, **fit_args))
     except gsync.ConfigError as error:
         return str(error)
     return "no error"
+
+
+def mismatched_model() -> str:
+    rank = int(os.environ["RANK"])
+    return _config_error_of_fit(TiedNet(hidden=24 if rank == 0 else 25), make_batches(2, 8))
 
 
 @pytest.mark.timeout(90)
@@ -165,13 +170,7 @@ def only_rank_0_resumes() -> str:
     model = TiedNet()
     trainable = [p for p in model.parameters() if p.requires_grad]
     resume = gsync.Checkpoint.capture(2, model, sgd(trainable)) if rank == 0 else None
-    try:
-        asyncio.run(gsync.Engine(["cpu"], sync_timeout=20).fit(
-            model, make_batches(5, 8), optimizer=sgd, loss_fn=classification_loss, resume=resume
-        ))
-    except gsync.ConfigError as error:
-        return str(error)
-    return "no error"
+    return _config_error_of_fit(model, make_batches(5, 8), resume=resume)
 
 
 @pytest.mark.timeout(90)
