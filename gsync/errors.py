@@ -111,6 +111,8 @@ class WorkerFailed(FitError):
 
 # Sites of the session's calls that run between steps, whose errors name the last step applied.
 _BETWEEN_STEPS = ("evaluate", "all_reduce")
+SESSION_START = "session start"
+"""The site of a failure while a session starts across processes (after the ranks joined, before the first step)."""
 
 
 def _after(step: int) -> str:
@@ -124,7 +126,9 @@ class SyncFailed(FitError):
     ``"buffer broadcast"`` for a step's closing collectives (the buffer
     broadcast, or the agreement across processes; ``bucket`` is ``None``), or
     ``"evaluate"`` / ``"all_reduce"`` for those session calls, which run
-    between steps (``step`` is then the last step applied).
+    between steps (``step`` is then the last step applied), or
+    ``"session start"`` for the collectives a session across processes runs
+    before its first step.
     """
 
     site: str = "buffer broadcast"  # the class default: an instance pickled before sites existed has none
@@ -132,6 +136,8 @@ class SyncFailed(FitError):
     def __init__(self, step: int, bucket: int | None, detail: str = "", site: str | None = None) -> None:
         if site in _BETWEEN_STEPS:
             what = f"the collective of {site} {_after(step)} failed"
+        elif site == SESSION_START:
+            what = "the collectives that start the session (the parameter check, rank 0's state sent out) failed"
         elif bucket is None:
             what = f"closing collectives (buffer broadcast, cross-process agreement) failed at step {step}"
         else:
@@ -218,7 +224,9 @@ class ReplicasDiverged(FitError):
 class PeerFailed(FitError):
     """Another rank's fit failed; this rank stopped instead of waiting on it.
 
-    ``rank``, ``device``, ``step`` and ``site`` say where it failed;
+    ``rank``, ``device``, ``step`` and ``site`` say where it failed
+    (``site`` ``"session start"``: while its session started, before the
+    first step: building its replicas or optimizer, loading ``resume``);
     ``error_type`` and ``remote_message`` are its original exception's type
     name and message (the exception itself lives in the other process). A
     rank that left its session normally while this one started another step
@@ -248,6 +256,8 @@ class PeerFailed(FitError):
                 where = f"worker on device {device} failed at step {step} during {site}"
             elif site in _BETWEEN_STEPS:
                 where = f"{site} {_after(step)} failed"
+            elif site == SESSION_START:
+                where = "starting its session failed"
             elif step >= 0:
                 where = f"{site} failed at step {step}"
             else:

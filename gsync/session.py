@@ -49,6 +49,7 @@ from .distributed import FailureReport, peer_failed
 from .distributed.heartbeat import Whereabouts, locate
 from .distributed.runtime import ProcessGroupRuntime
 from .errors import (
+    SESSION_START,
     ConfigError,
     DataFailed,
     GsyncError,
@@ -141,6 +142,7 @@ class Session:
         self._next_step = self.first_step
         self._abort = threading.Event()
         self._open = False
+        self._started = False
         self._ended = False
         self._stepping = False
         self._operations_done = 0
@@ -152,6 +154,9 @@ class Session:
         self._failure: BaseException | None = None
         self._reported: BaseException | None = None
         self._peer_left: FailureReport | None = None
+        # What the failure watcher and the heartbeat heard of other ranks, first news first.
+        self._peer_news: list[FailureReport | list[LostRank]] = []
+        self._peer_news_arrived = anyio.Event()
         self._torn_down = False
         self._collective_what: str | None = None
         # Built by _start; teardown copes with any prefix of them.
@@ -585,13 +590,13 @@ class Session:
                     self._abort,
                 )
             )
+            await self._listen_to_peers()
         # Planned from the model itself, so a model with nothing to train is refused first.
         plan = plan_buckets(engine, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
         replicas = build_replicas(self.model, engine.devices, self._recipe, self._resume)
         runtime = self._runtime
         if runtime is not None:
-            setup = _built(self._setup)
-            await setup.run(lambda: runtime.prepare([r.module for r in replicas], self.first_step))
+            await self._start_with_peers(runtime, [r.module for r in replicas])
         parts = assemble(engine, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local)
         self._topology = parts.topology
         self._context = parts.context
@@ -607,7 +612,7 @@ class Session:
         resume = self._resume
         if resume is not None and resume.rng_state is not None and self._restore_rng:
             restore_checkpoint_rng(resume)
-        self._open = True
+        self._open = self._started = True
         logger.info(
             "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
             ", ".join(spec.name for spec in engine.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
@@ -661,19 +666,8 @@ class Session:
         A rank that left its session normally is a failure only for a step
         it never took part in: it is noted, and the next step past it raises.
         """
-        runtime, setup, loop = _built(self._runtime), _built(self._setup), self._loop_handle()
-        arrived = anyio.Event()
-        reports: list[FailureReport | list[LostRank]] = []
-
-        def deliver(report: FailureReport | list[LostRank]) -> None:
-            reports.append(report)
-            arrived.set()
-
-        runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
-        # Starting the watcher opens a store connection: not on the event loop.
-        await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
-        await arrived.wait()
-        report = reports[0]
+        await self._peer_news_arrived.wait()
+        report = self._peer_news[0]
         if isinstance(report, list):
             raise PeerLost(report)
         if report.error_type == _DEPARTED and not (self._stepping and self._operations_done >= report.operations):
@@ -687,6 +681,62 @@ class Session:
             await over.wait()
         raise peer_failed(report)
 
+    async def _listen_to_peers(self) -> None:
+        """From now on, hear of other ranks that fail (their reports) or fall silent (their heartbeats).
+
+        :meth:`_watch_peers` acts on the news once the session serves. Until
+        then, news of a failure aborts the session's start: its collectives
+        would otherwise wait for the failed rank until the group's own
+        timeout (30 minutes for a group the user made), then fail with the
+        transport's error.
+        """
+        runtime, setup, loop = _built(self._runtime), _built(self._setup), self._loop_handle()
+
+        def deliver(news: FailureReport | list[LostRank]) -> None:
+            self._peer_news.append(news)
+            self._peer_news_arrived.set()
+            departed = isinstance(news, FailureReport) and news.error_type == _DEPARTED
+            if not self._started and not departed:
+                self._abort.set()  # the start's collectives leave their waits
+
+        runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
+        # Starting the watcher opens a store connection: not on the event loop.
+        await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
+
+    async def _start_with_peers(self, runtime: ProcessGroupRuntime, modules: list[nn.Module]) -> None:
+        """The start's collectives (same parameters, same step, rank 0's state); a peer failing meanwhile is named.
+
+        :raises ~gsync.PeerFailed: when a peer reported a failure (its own
+            start failed: an optimizer factory that raised, a ``resume`` file
+            only it could not read), or :class:`~gsync.PeerLost` when its
+            heartbeat stopped.
+        :raises ~gsync.SyncFailed: ``site="session start"``, when a collective
+            failed and no peer can be named.
+        :raises ~gsync.ConfigError: on every rank, when they differ in parameters or in the step they resume from.
+        """
+        setup = _built(self._setup)
+        self._collective_what = SESSION_START
+        failure: BaseException
+        try:
+            await setup.run(lambda: runtime.prepare(modules, self.first_step))
+        except FitAborted:
+            # Only news of a peer aborts a start (a cancellation of this rank raises in the await instead).
+            news = self._peer_news[0] if self._peer_news else None
+            if news is None:
+                raise
+            failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
+        except GsyncError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
+            failed = SyncFailed(self.first_step - 1, None, site=SESSION_START)
+            failed.__cause__ = error
+            # A peer that failed reported before it closed its connections; one that died is named by its silence.
+            failure = await self._in_setup(lambda: runtime.blame_peer(failed), failed)
+        else:
+            self._collective_what = None
+            return
+        raise failure
+
     def _whereabouts(self) -> Whereabouts:
         """Where this rank is, for its heartbeat (called from the heartbeat thread)."""
         last = self._next_step - 1
@@ -696,6 +746,8 @@ class Session:
         if self._failing or self._failure is not None:
             # Ending because a step or collective failed: a victim, not the rank others wait for.
             return Whereabouts(last, "ending after a failure", waiting=True)
+        if not self._started:
+            return Whereabouts(last, "starting the session")
         if not self._stepping:
             return Whereabouts(last, "outside gsync")
         return locate(self._actors, last)
@@ -773,7 +825,8 @@ class Session:
         if runtime.store_unreachable():
             return  # a write to a store that does not answer would only hold the teardown up
         self._reported = failure
-        await self._in_setup(lambda: runtime.report(failure), None)
+        site = "fit" if self._started else SESSION_START
+        await self._in_setup(lambda: runtime.report(failure, site), None)
 
     async def _announce_departure(self) -> None:
         runtime = self._runtime

@@ -51,13 +51,14 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(FailureReport)
 
 
-def failure_report(rank: int, error: BaseException) -> FailureReport:
+def failure_report(rank: int, error: BaseException, fallback_site: str = "fit") -> FailureReport:
     """The report a rank publishes for the error that ends its fit.
 
     ``WorkerFailed`` reports its device, step and site with its cause's type
     and message; ``SyncFailed``, ``SyncTimeout`` and ``DataFailed`` report
     the step and their site (a collective, ``"evaluate"``, ...); other errors
-    that name a device and step (``NonFiniteLoss``) report those; anything else is reported with its type and message. A
+    that name a device and step (``NonFiniteLoss``) report those; anything
+    else is reported with its type and message, at ``fallback_site``. A
     :class:`PeerFailed` is a consequence of another rank's report: do not
     report it again; a :class:`PeerLost` is reported (the lost ranks cannot
     report themselves), and peers read it as :class:`PeerFailed` with
@@ -84,7 +85,7 @@ def failure_report(rank: int, error: BaseException) -> FailureReport:
     message = str(root)
     if len(message) > _MAX_MESSAGE_CHARS:
         message = message[:_MAX_MESSAGE_CHARS] + " [truncated]"
-    return FailureReport(rank, device, int(device_index), step, site or "fit", type(root).__name__, message)
+    return FailureReport(rank, device, int(device_index), step, site or fallback_site, type(root).__name__, message)
 
 
 def peer_failed(report: FailureReport) -> PeerFailed:

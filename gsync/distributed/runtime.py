@@ -168,15 +168,15 @@ class ProcessGroupRuntime:
     def watch(self, callback: Callable[[FailureReport], object]) -> None:
         self.board.start_watching(callback)
 
-    def report(self, error: BaseException) -> None:
-        """Tell the other ranks why this rank's run is ending.
+    def report(self, error: BaseException, fallback_site: str = "fit") -> None:
+        """Tell the other ranks why this rank's run is ending (at ``fallback_site``, when ``error`` names no site).
 
         Not for :class:`~gsync.PeerFailed` (the peer told everyone itself),
         but for :class:`~gsync.PeerLost`: the lost rank cannot, and a stuck
         one learns that way that it was named.
         """
         if isinstance(error, PeerLost) or not isinstance(error, PeerFailed):
-            self.board.report(failure_report(self.membership.rank, error))
+            self.board.report(failure_report(self.membership.rank, error, fallback_site))
 
     def union_of_names(self, names: Sequence[str]) -> list[str]:
         """Every rank's names, sorted. Collective."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -239,3 +240,70 @@ def evaluate_with_a_rank_that_gets_no_rows() -> dict[str, float]:
 def test_evaluate_when_one_rank_gets_no_rows() -> None:
     results = run_ranks(evaluate_with_a_rank_that_gets_no_rows, 2, timeout=80, check=True)
     assert results[0].value == results[1].value and set(results[0].value) == {"loss"}
+
+
+def a_rank_fails_while_its_session_starts(case: str) -> dict[str, Any]:
+    """Rank 1 fails after joining the group, while rank 0 waits in the session's first collectives."""
+    import torch.distributed as dist
+
+    import gsync
+
+    rank = int(os.environ["RANK"])
+    users_group = case == "users_group"
+    if users_group:
+        # A group the user made stays up after rank 1's failure: no connection rank 0 waits on closes.
+        dist.init_process_group("gloo")
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        if rank == 1:
+            if case == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError("no optimizer for rank 1")
+        return sgd(params)
+
+    started = time.monotonic()
+    try:
+        asyncio.run(
+            gsync.Engine(["cpu"], sync_timeout=20).fit(TiedNet(), make_batches(2, 8), optimizer=optimizer, loss_fn=classification_loss)
+        )
+    except (gsync.GsyncError, ValueError) as error:
+        out = {
+            "type": type(error).__name__,
+            "message": str(error),
+            "elapsed": time.monotonic() - started,
+            "rank": getattr(error, "rank", None),
+            "site": getattr(error, "site", None),
+        }
+    else:
+        out = {"type": None}
+    if users_group:
+        # Rank 1 stays in the group until rank 0 has its answer.
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set("rank 0 is done", "1")
+        else:
+            store.wait(["rank 0 is done"])
+        dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["gsyncs_group", "users_group", "killed"])
+def test_a_rank_failing_while_its_session_starts_is_named_not_waited_for(case: str) -> None:
+    # Rank 0 waits in the session's first collectives (the parameter check, rank 0's state going out). Its group's
+    # own timeout (50 s here, 30 min for a group the user made) must not be what ends its wait, nor gloo's
+    # "Connection closed by peer" what it reports.
+    results = run_ranks(a_rank_fails_while_its_session_starts, 2, args=(case,), timeout=80, failure_grace=20)
+    peer = results[0]
+    assert peer.ok, peer.describe()
+    if case == "killed":
+        assert results[1].returncode == -signal.SIGKILL
+        assert peer.value["type"] == "PeerLost", peer.value
+        assert "rank 1 stopped responding at start-up (starting the session)" in peer.value["message"], peer.value
+    else:
+        assert results[1].unwrap()["type"] == "ValueError"
+        assert peer.value["type"] == "PeerFailed", peer.value
+        assert peer.value["site"] == "session start", peer.value
+        assert "rank 1 failed: starting its session failed: ValueError: no optimizer for rank 1" in peer.value["message"], peer.value
+    assert peer.value["rank"] == 1, peer.value
+    assert peer.value["elapsed"] < 15, peer.value
