@@ -137,7 +137,7 @@ class SyncFailed(FitError):
         if site in _BETWEEN_STEPS:
             what = f"the collective of {site} {_after(step)} failed"
         elif site == SESSION_START:
-            what = "the collectives that start the session (the parameter check, rank 0's state sent out) failed"
+            what = "the collectives that start the session (checking parameters and resume steps, broadcasting rank 0's state) failed"
         elif bucket is None:
             what = f"closing collectives (buffer broadcast, cross-process agreement) failed at step {step}"
         else:
@@ -226,7 +226,7 @@ class PeerFailed(FitError):
 
     ``rank``, ``device``, ``step`` and ``site`` say where it failed
     (``site`` ``"session start"``: while its session started, before the
-    first step: building its replicas or optimizer, loading ``resume``);
+    first step: building its replicas and optimizers from the model or a checkpoint);
     ``error_type`` and ``remote_message`` are its original exception's type
     name and message (the exception itself lives in the other process). A
     rank that left its session normally while this one started another step
@@ -251,13 +251,13 @@ class PeerFailed(FitError):
         elif error_type == "PeerLost":
             # The peer gave up on others that stopped or got stuck; the message names them.
             super().__init__(f"rank {rank} stopped waiting at step {step} ({site}): {remote_message}")
+        elif site == SESSION_START:
+            super().__init__(f"rank {rank} failed to start its session: {error_type}: {remote_message}")
         else:
             if device:
                 where = f"worker on device {device} failed at step {step} during {site}"
             elif site in _BETWEEN_STEPS:
                 where = f"{site} {_after(step)} failed"
-            elif site == SESSION_START:
-                where = "starting its session failed"
             elif step >= 0:
                 where = f"{site} failed at step {step}"
             else:

@@ -695,8 +695,7 @@ class Session:
         def deliver(news: FailureReport | list[LostRank]) -> None:
             self._peer_news.append(news)
             self._peer_news_arrived.set()
-            departed = isinstance(news, FailureReport) and news.error_type == _DEPARTED
-            if not self._started and not departed:
+            if not self._started and not _departure(news):
                 self._abort.set()  # the start's collectives leave their waits
 
         runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
@@ -707,9 +706,9 @@ class Session:
         """The start's collectives (same parameters, same step, rank 0's state); a peer failing meanwhile is named.
 
         :raises ~gsync.PeerFailed: when a peer reported a failure (its own
-            start failed: an optimizer factory that raised, a ``resume`` file
-            only it could not read), or :class:`~gsync.PeerLost` when its
-            heartbeat stopped.
+            start failed: an optimizer factory that raised, a checkpoint's
+            optimizer state that does not fit), or :class:`~gsync.PeerLost`
+            when its heartbeat stopped.
         :raises ~gsync.SyncFailed: ``site="session start"``, when a collective
             failed and no peer can be named.
         :raises ~gsync.ConfigError: on every rank, when they differ in parameters or in the step they resume from.
@@ -720,10 +719,11 @@ class Session:
         try:
             await setup.run(lambda: runtime.prepare(modules, self.first_step))
         except FitAborted:
-            # Only news of a peer aborts a start (a cancellation of this rank raises in the await instead).
-            news = self._peer_news[0] if self._peer_news else None
-            if news is None:
+            # Only news of a peer's failure aborts a start (a cancellation of this rank raises in the await instead).
+            failures = [news for news in self._peer_news if not _departure(news)]
+            if not failures:
                 raise
+            news = failures[0]
             failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
         except GsyncError:
             raise
@@ -926,6 +926,10 @@ async def open_session(
         else:
             if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not session._failure:
                 session._fail(raised)
+            if not session._started:
+                # A start interrupted in its collectives (a cancellation): the report below
+                # queues behind them in the setup thread, which leaves them on the abort flag.
+                session._abort.set()
             # Whatever ended this rank's block (the user's own exception, a
             # cancellation), peers learn of it before the group goes down,
             # instead of waiting in a collective for a rank that has left.
@@ -938,6 +942,11 @@ async def open_session(
         if isinstance(raised, GsyncError):
             logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
         raise raised
+
+
+def _departure(news: FailureReport | list[LostRank]) -> bool:
+    """Whether ``news`` is a rank leaving its session normally (a failure only for the operations it misses)."""
+    return isinstance(news, FailureReport) and news.error_type == _DEPARTED
 
 
 def _built(value: _T | None) -> _T:

@@ -11,6 +11,7 @@ import msgspec
 import torch.distributed as dist
 
 from ..errors import (
+    SESSION_START,
     ConfigError,
     DataFailed,
     GsyncError,
@@ -80,7 +81,10 @@ def failure_report(rank: int, error: BaseException, fallback_site: str = "fit") 
         # Reported by the rank that named them; the device and step are its own collective's, not the lost rank's.
         cause = error.__cause__
         device, device_index = "", -1
+        # A timeout names what it waited for; a failed collective of a step is "collective", of a start its site.
         site = getattr(cause, "site", "") if isinstance(cause, SyncTimeout) else "collective"
+        if getattr(cause, "site", None) == SESSION_START:
+            site = SESSION_START
         step = getattr(cause, "step", step)
     message = str(root)
     if len(message) > _MAX_MESSAGE_CHARS:

@@ -142,7 +142,8 @@ def _create_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPSto
     except dist.DistError as error:
         raise ConfigError(
             f"rank {rank} of {world_size} could not reach the rendezvous store at {address}:{port} within "
-            f"{timeout.total_seconds():g} s ({error}); check MASTER_ADDR/MASTER_PORT and that every rank was started"
+            f"{timeout.total_seconds():g} s ({error}); check MASTER_ADDR/MASTER_PORT, that every rank was started, and "
+            "that none failed before it joined (that rank's own error says why)"
         ) from error
 
 

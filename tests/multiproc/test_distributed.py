@@ -356,6 +356,20 @@ def test_failure_report_of_a_worker_failure_carries_its_cause() -> None:
     assert failure_report(0, gsync.SyncFailed(3, 1)).site == "all-reduce of bucket 1"
 
 
+def test_failure_reports_of_a_session_that_failed_to_start() -> None:
+    # The user's own error while the session starts (its optimizer factory) has no site: the session gives it.
+    started = failure_report(1, ValueError("no optimizer"), "session start")
+    assert (started.site, started.step, started.error_type) == ("session start", -1, "ValueError")
+    assert str(peer_failed(started)) == "rank 1 failed to start its session: ValueError: no optimizer"
+    failed = gsync.SyncFailed(-1, None, site="session start")
+    assert str(failed).startswith("the collectives that start the session (checking parameters")
+    # A peer named lost while the session started: the rank that named it reports where it waited.
+    lost = gsync.PeerLost([gsync.LostRank(2, -1, "starting the session", "", 3.5, 1.0)])
+    lost.__cause__ = failed
+    assert failure_report(0, lost).site == "session start"
+    assert failure_report(0, ValueError("x")).site == "fit"
+
+
 def test_should_use_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert should_use_distributed(None) is False
