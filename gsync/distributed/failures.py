@@ -247,20 +247,29 @@ class FailureBoard:
         its next timeout. If the store server is gone, the watcher's wait has
         already failed and it has ended; only a server that is alive but
         unresponsive leaves the daemon thread waiting, and then this returns
-        ``False`` after ``timeout_s``. ``wake=False`` skips the write (for a
-        store known not to answer).
+        ``False`` after ``timeout_s``. ``wake=False`` is for a store that looks
+        unresponsive: the write goes to a daemon thread of its own and this
+        returns at once (``False``), so a store that was only slow for a
+        moment still ends the watcher now, not after its hour-long wait.
         """
         self._stopping.set()
         thread = self._thread
         if thread is None:
             return True
-        if thread.is_alive() and wake:
-            try:
-                self._store.set(self._key("wake", self._rank), _STOP)  # type: ignore[arg-type]
-            except Exception:  # noqa: BLE001 - a store that is gone has already ended the watcher's wait
-                pass
-            thread.join(timeout_s)
+        if not thread.is_alive():
+            return True
+        if not wake:
+            threading.Thread(target=self._wake, name="gsync-failure-watch-wake", daemon=True).start()
+            return False
+        self._wake()
+        thread.join(timeout_s)
         return not thread.is_alive()
+
+    def _wake(self) -> None:
+        try:
+            self._store.set(self._key("wake", self._rank), _STOP)  # type: ignore[arg-type]
+        except Exception:  # noqa: BLE001 - a store that is gone has already ended the watcher's wait
+            pass
 
 
 def _own_connection(store: dist.Store) -> tuple[dist.Store, timedelta]:

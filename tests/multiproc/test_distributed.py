@@ -152,6 +152,18 @@ def scenario() -> dict[str, Any]:
     dist.barrier(group=session.group)
     seen["heard2"] = list(heard2)
     seen["stopped2"] = board2.stop()
+    # Stopped without waiting on the store (it looked unresponsive as the run closed): the watcher still ends as soon
+    # as the store answers, not after its hour-long wait.
+    # (A run of its own: a wake key another board of the run already set would end the wait at once.)
+    quiet = join(session.group, "cpu", timeout_s=30)
+    unwoken = FailureBoard(quiet)
+    unwoken.start_watching(lambda report: None)
+    unwoken.stop(wake=False)
+    for thread in threading.enumerate():
+        if thread.name.startswith("gsync-failure-watch"):
+            thread.join(10)
+    seen["watchers_left"] = [name for name in _gsync_threads() if name.startswith("gsync-failure-watch")]
+    quiet.close()
     second.close()
     # Closing an adopted group leaves it up.
     ones = torch.ones(2)
@@ -224,6 +236,10 @@ def test_mismatch_raises_config_error_on_every_rank(observed: list[dict[str, Any
     assert kind == "ConfigError"
     for needle in needles:
         assert needle in message
+
+
+def test_a_board_stopped_without_waiting_on_its_store_still_ends_its_watcher(observed: list[dict[str, Any]]) -> None:
+    assert [o["watchers_left"] for o in observed] == [[], []]
 
 
 def test_ranks_that_start_at_the_same_step_pass_the_check(observed: list[dict[str, Any]]) -> None:
