@@ -35,6 +35,7 @@ __all__ = (
     "Feeder",
     "FeedItem",
     "ReadFailed",
+    "set_sampler_epoch",
 )
 
 _END = object()
@@ -52,6 +53,8 @@ class BatchRead:
 class EpochEnded:
     epoch: int
     batches: int
+    final: bool = False
+    """The run's last epoch. Before any other, the feeder waits for :meth:`Feeder.next_epoch`."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,25 @@ def batches_per_epoch(data: object) -> int | None:
         return len(data)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - a __len__ that cannot tell (NotImplementedError, ...) leaves it unknown
         return None
+
+
+def set_sampler_epoch(data: object, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on a ``DataLoader``'s sampler (or its batch sampler's) where it has one.
+
+    A ``DistributedSampler`` shuffles by epoch only when told the epoch; a
+    plain loop calls ``set_epoch`` before each epoch, and so do Lightning and
+    Accelerate. A resumed run replays the epochs before its checkpoint the same
+    way, so it reads what the run it continues read.
+    """
+    samplers: dict[int, object] = {}
+    for holder, name in ((data, "sampler"), (getattr(data, "batch_sampler", None), "sampler")):
+        sampler = getattr(holder, name, None) if holder is not None else None
+        if sampler is not None:
+            samplers[id(sampler)] = sampler
+    for sampler in samplers.values():
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
 
 def check_batch_source(data: object) -> None:
@@ -158,9 +180,19 @@ class Feeder:
     def __init__(
         self, data: Iterable[Any] | AsyncIterable[Any], epochs: int, loop: LoopHandle, batches_per_step: int = 1
     ) -> None:
+        self._data = data
         self._reader = BatchReader(data, loop)
         self._epochs = epochs
         self._batches_per_step = batches_per_step
+        self._next_epoch = anyio.Event()
+
+    def next_epoch(self) -> None:
+        """Let the next epoch be read: the consumer has run the last one's steps and callbacks.
+
+        What a callback changes at an epoch's end (a curriculum, a sampler's
+        epoch) is then what the next epoch reads, as in a plain loop.
+        """
+        self._next_epoch.set()
 
     async def run(self, send: ObjectSendStream[FeedItem]) -> None:
         """Send every batch, an :class:`EpochEnded` after each epoch, and at most one :class:`ReadFailed` last.
@@ -181,6 +213,10 @@ class Feeder:
         try:
             steps_before = 0  # the steps of the epochs read so far; fit drops each epoch's partial step
             for epoch in range(self._epochs):
+                if epoch > 0:
+                    await self._next_epoch.wait()
+                    self._next_epoch = anyio.Event()
+                set_sampler_epoch(self._data, epoch)
                 count = 0
 
                 def failed(read: int, first: int = steps_before) -> DataFailed:
@@ -197,7 +233,7 @@ class Feeder:
                         else f"data yielded no batch in epoch {epoch}: pass a re-iterable (a list or a "
                         "DataLoader), not a one-shot iterator"
                     )
-                await send.send(EpochEnded(epoch, count))
+                await send.send(EpochEnded(epoch, count, final=epoch == self._epochs - 1))
                 steps_before += count // per_step
         except (ConfigError, InputTypeError, DataFailed) as error:
             await send.send(ReadFailed(error))

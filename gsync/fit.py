@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +154,7 @@ class _FitLoop:
                 group.start_soon(feeder.run, send)
                 async with receive:
                     try:
-                        await self._consume(_FeedItems(receive))
+                        await self._consume(_FeedItems(receive), feeder.next_epoch)
                     except StopTraining:
                         pass
                 group.cancel_scope.cancel()
@@ -165,7 +165,7 @@ class _FitLoop:
         if raised is not None:
             raise raised
 
-    async def _consume(self, items: AsyncIterable[FeedItem]) -> None:
+    async def _consume(self, items: AsyncIterable[FeedItem], next_epoch: Callable[[], None]) -> None:
         first_step = self.session.first_step
         group: list[Any] = []
         index = 0
@@ -186,7 +186,7 @@ class _FitLoop:
                         self._check_position()
                     await self._run_held(last=False)
                     self._held = (step, epoch, batches, (epoch, in_epoch))
-                case EpochEnded(epoch=epoch):
+                case EpochEnded(epoch=epoch, final=final):
                     in_epoch = 0
                     if group:
                         warnings.warn(
@@ -198,6 +198,11 @@ class _FitLoop:
                         group = []
                     if self._held is not None and self._held[1] == epoch:
                         self._epochs_to_close.append(epoch)
+                    if not final:
+                        # The epoch's last step and callbacks run before the next epoch is read (a step
+                        # followed by another epoch is not the run's last, unless that epoch is too short).
+                        await self._run_held(last=False)
+                        next_epoch()
                 case ReadFailed(error=error):
                     # The step already read still runs (it is not the last: the data did not end).
                     await self._run_held(last=False)

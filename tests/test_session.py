@@ -417,6 +417,75 @@ async def test_callbacks_run_in_order_between_steps() -> None:
     assert all(r.rows == 8 and r.lr == 0.1 and r.seconds > 0 for r in result.history)
 
 
+class _IndexedRows(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """A map-style dataset that logs which rows are read, in the order they are."""
+
+    def __init__(self, rows: int) -> None:
+        self.x, self.y = make_batches(1, rows)[0]
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(index)
+        return self.x[index], self.y[index]
+
+
+def _shuffled_loader(rows: int) -> torch.utils.data.DataLoader[Any]:
+    dataset = _IndexedRows(rows)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    return torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True)
+
+
+async def test_an_epochs_callbacks_run_before_the_next_epoch_is_read() -> None:
+    # What a callback changes at an epoch's end (a curriculum, the training set it evaluates on) is what the next
+    # epoch reads, as in a plain loop: fit reads one batch ahead, but never into the next epoch.
+    events: list[tuple[str, int]] = []
+    batches = make_batches(2, 8)
+
+    class Loader:
+        def __iter__(self) -> Any:
+            events.append(("read", len(events)))
+            return iter(batches)
+
+        def __len__(self) -> int:
+            return len(batches)
+
+    class Ends:
+        def on_epoch_end(self, session: gsync.Session, epoch: int) -> None:
+            events.append(("epoch_end", epoch))
+
+    await gsync.Engine(TWO).fit(TiedNet(), Loader(), optimizer=sgd, loss_fn=classification_loss, epochs=3, callbacks=[Ends()])
+    assert [name for name, _ in events] == ["read", "epoch_end", "read", "epoch_end", "read", "epoch_end"], events
+
+
+async def test_a_distributed_sampler_reshuffles_each_epoch_as_in_a_plain_loop() -> None:
+    # A plain loop calls sampler.set_epoch(epoch) before each epoch (DistributedSampler's docs); fit does it too,
+    # as Lightning and Accelerate do, so the recipe the README gives for process-local data shuffles per epoch.
+    plain = _shuffled_loader(16)
+    for epoch in range(3):
+        plain.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for _ in plain:
+            pass
+    loader = _shuffled_loader(16)
+    await gsync.Engine(TWO).fit(TiedNet(), loader, optimizer=sgd, loss_fn=classification_loss, epochs=3)
+    assert loader.dataset.read == plain.dataset.read  # type: ignore[attr-defined]
+    epochs = [plain.dataset.read[i * 16 : (i + 1) * 16] for i in range(3)]  # type: ignore[attr-defined]
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+async def test_a_run_resumed_in_a_later_epoch_reads_that_epochs_shuffle(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    args: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss, epochs=3)
+    whole = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), **args)
+    first = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), **{**args, "epochs": 2})
+    resumed = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), resume=first.checkpoint, **args)
+    assert resumed.first_step == 8
+    assert_same_state(resumed.model, whole.model, atol=0)
+
+
 async def test_stop_training_ends_fit_early_with_the_steps_done(no_leaks: None) -> None:
     recorder = Recorder(stop_at=3)
     torch.manual_seed(0)
