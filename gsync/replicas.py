@@ -41,9 +41,11 @@ def build_replicas(
     :raises ~gsync.InputTypeError: when a factory returns the wrong type.
     :raises ~gsync.ConfigError: when the optimizer was built over other parameters.
     """
+    _refuse_post_accumulate_hooks(model)
     replicas = []
     for spec in devices:
         module = copy.deepcopy(model).to(spec.torch_device)
+        _carry_parameter_extras(model, module)
         optimizer = _build_optimizer(recipe, module)
         scheduler = _build_scheduler(recipe, optimizer)
         scaler = torch.amp.GradScaler(spec.torch_device.type) if recipe.scales_loss else None
@@ -66,6 +68,35 @@ def build_replicas(
                 scaler.load_state_dict(copy.deepcopy(resume.scaler_state))
         replicas.append(Replica(module, optimizer, scheduler, scaler))
     return replicas
+
+
+def _carry_parameter_extras(model: nn.Module, replica: nn.Module) -> None:
+    """Give each replica parameter its original's gradient hooks and Python attributes.
+
+    ``Parameter.__deepcopy__`` copies data and ``requires_grad`` only. A hook
+    that masks or clamps a gradient (``p.register_hook``) would silently stop
+    working, and a flag that an optimizer factory groups by
+    (``p._no_weight_decay = True``) would be missing, where DDP, which
+    wraps the user's own module, keeps both. Hooks are shared, not copied:
+    they are the user's functions, as in a plain loop. Attributes are
+    copied shallowly, as flags and small dicts are.
+    """
+    for original, copied in zip(model.parameters(), replica.parameters()):
+        for hook in (original._backward_hooks or {}).values():
+            copied.register_hook(hook)
+        for name, value in vars(original).items():
+            if name not in vars(copied):
+                setattr(copied, name, value)
+
+
+def _refuse_post_accumulate_hooks(model: nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            raise ConfigError(
+                f"parameter {name} has a post-accumulate-grad hook (an optimizer step in backward?); gsync "
+                "synchronizes every gradient and then steps each replica's optimizer itself, so that hook would "
+                "see an unsynchronized gradient: remove it and pass the optimizer as optimizer="
+            )
 
 
 def _build_optimizer(recipe: Recipe, replica: nn.Module) -> torch.optim.Optimizer:

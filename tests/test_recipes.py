@@ -99,6 +99,49 @@ async def test_lr_schedule_matches_a_plain_loop_and_is_checkpointed(num_devices:
     assert [record.lr for record in fitted.history] == pytest.approx(lrs)
 
 
+def _masked_and_flagged() -> nn.Module:
+    """A model as recipes make them: a gradient hook that freezes rows, and a flag an optimizer factory groups by."""
+    torch.manual_seed(0)
+    model = TiedNet()
+    mask = torch.ones_like(model.embed.weight)
+    mask[:5] = 0
+    model.embed.weight.register_hook(lambda grad: grad * mask)
+    model.embed.weight.no_weight_decay = True  # type: ignore[attr-defined]
+    return model
+
+
+def _grouped_by_flag(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    flagged = [p for p in params if getattr(p, "no_weight_decay", False)]
+    rest = [p for p in params if not getattr(p, "no_weight_decay", False)]
+    return torch.optim.SGD([{"params": rest, "weight_decay": 0.1}, {"params": flagged, "weight_decay": 0.0}], lr=0.1)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2])
+async def test_a_parameters_gradient_hooks_and_attributes_reach_every_replica(num_devices: int) -> None:
+    steps = make_batches(3, 16)
+    reference = _masked_and_flagged()
+    optimizer = _grouped_by_flag([p for p in reference.parameters() if p.requires_grad])
+    for batch in steps:
+        optimizer.zero_grad()
+        classification_loss(reference, batch).backward()
+        optimizer.step()
+    model = _masked_and_flagged()
+    frozen = model.embed.weight[:5].detach().clone()
+    async with gsync.Engine(DEVICES[num_devices]).session(model, optimizer=_grouped_by_flag, loss_fn=classification_loss) as session:
+        for batch in steps:
+            await session.step(batch)
+    assert torch.equal(model.embed.weight[:5], frozen)
+    assert_same_state(model, reference)
+
+
+async def test_a_post_accumulate_grad_hook_is_refused_up_front() -> None:
+    model = TiedNet()
+    model.embed.weight.register_post_accumulate_grad_hook(lambda param: None)
+    with pytest.raises(gsync.ConfigError, match="parameter embed.weight has a post-accumulate-grad hook"):
+        async with gsync.Engine(DEVICES[2]).session(model, optimizer=sgd, loss_fn=classification_loss):
+            pass
+
+
 async def test_a_scheduler_class_is_a_factory_as_an_optimizer_class_is() -> None:
     # scheduler=LinearLR builds LinearLR(optimizer) per replica, as optimizer=SGD would build SGD(params) (were its
     # lr defaulted); the class has a step attribute, but it is not a scheduler already built.
