@@ -1,7 +1,8 @@
 """Global batches: validation and splitting into per-device shards.
 
-A batch is a tensor or a (nested) tuple, list or dict of tensors, all with the
-same size along dim 0. It is split into contiguous shards along dim 0, one per
+A batch is a tensor or a (nested) tuple, list or mapping of tensors (a dict,
+or a ``Mapping`` such as transformers' ``BatchEncoding``), all with the same
+size along dim 0; shards keep the batch's types. It is split into contiguous shards along dim 0, one per
 device in device order, with ``torch.tensor_split`` semantics: shard sizes
 differ by at most one, and when a batch has fewer rows than there are devices
 the last devices get empty shards (they contribute nothing to that step and
@@ -10,6 +11,8 @@ are weighted zero).
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -26,10 +29,11 @@ def _leaves(batch: Batch, path: str) -> list[tuple[str, torch.Tensor]]:
         return [(path, batch)]
     if isinstance(batch, (tuple, list)):
         return [leaf for i, item in enumerate(batch) for leaf in _leaves(item, f"{path}[{i}]")]
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         return [leaf for key, item in batch.items() for leaf in _leaves(item, f"{path}[{key!r}]")]
+    what = "the batch" if path == "batch" else f"batch element {path}"
     raise InputTypeError(
-        f"batch element {path} is a {type(batch).__name__}; a batch must be a tensor or a tuple, list or dict of tensors"
+        f"{what} is a {type(batch).__name__}; a batch must be a tensor or a tuple, list or mapping of tensors"
     )
 
 
@@ -63,12 +67,27 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
     return type(like)(items) if isinstance(like, (tuple, list)) else items
 
 
+def _rebuild_mapping(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
+    """``items`` as a mapping of ``like``'s type where it can be built so (as torch's ``default_collate`` does)."""
+    if isinstance(like, MutableMapping):
+        try:
+            clone = copy.copy(like)
+            clone.update(items)
+            return clone
+        except Exception:  # noqa: BLE001 - a mapping that cannot be copied this way is rebuilt below
+            pass
+    try:
+        return type(like)(items)  # type: ignore[call-arg]
+    except Exception:  # noqa: BLE001 - its constructor takes something else: a plain dict then
+        return items
+
+
 def _map(batch: Batch, fn: Any) -> Batch:
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, (tuple, list)):
         return _rebuild(batch, [_map(item, fn) for item in batch])
-    return {key: _map(item, fn) for key, item in batch.items()}
+    return _rebuild_mapping(batch, {key: _map(item, fn) for key, item in batch.items()})
 
 
 def split_batch(batch: Batch, parts: int) -> list[Batch]:
@@ -81,7 +100,7 @@ def split_batch(batch: Batch, parts: int) -> list[Batch]:
         per_item = [split_batch(item, parts) for item in batch]
         return [_rebuild(batch, [shards[i] for shards in per_item]) for i in range(parts)]
     per_key = {key: split_batch(item, parts) for key, item in batch.items()}
-    return [{key: shards[i] for key, shards in per_key.items()} for i in range(parts)]
+    return [_rebuild_mapping(batch, {key: shards[i] for key, shards in per_key.items()}) for i in range(parts)]
 
 
 def shard_rows(rows: int, parts: int) -> list[int]:

@@ -122,7 +122,7 @@ async def test_one_shot_iterator_over_several_epochs() -> None:
 @pytest.mark.parametrize(
     ("batch", "error", "match"),
     [
-        ("text", TypeError, "batch element batch is a str"),
+        ("text", TypeError, "the batch is a str"),
         ((torch.zeros(8, 12), "labels"), TypeError, r"batch\[1\] is a str"),
         ((torch.zeros(8, 12), torch.zeros(7, dtype=torch.long)), gsync.ConfigError, "disagree on their size along dim 0"),
         ((torch.zeros(()),), gsync.ConfigError, "0-d tensor"),

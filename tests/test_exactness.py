@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 import gsync
+from gsync.batches import split_batch
 from conftest import BackwardGate, Deep, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
@@ -192,6 +194,33 @@ async def test_dict_batches_and_async_iterables() -> None:
 
     await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, stream(), optimizer=sgd, loss_fn=loss_fn)
     assert_same_state(model, expected_model)
+
+
+class Encoding(collections.UserDict):  # type: ignore[type-arg]
+    """A batch mapping that is not a dict, as transformers' BatchEncoding is (its tokenizer output)."""
+
+    def __init__(self, data: dict[str, torch.Tensor], source: str = "tokenizer") -> None:
+        super().__init__(data)
+        self.source = source
+
+
+async def test_mapping_batches_that_are_not_dicts_keep_their_type() -> None:
+    torch.manual_seed(6)
+    model = TiedNet()
+    batches = make_batches(steps=3, rows=10)
+    expected_model, _ = train_reference(model, batches)
+    seen: list[tuple[str, str]] = []
+
+    def loss_fn(replica: nn.Module, batch: Encoding) -> torch.Tensor:
+        seen.append((type(batch).__name__, batch.source))
+        return classification_loss(replica, (batch["x"], batch["y"]))
+
+    data = [Encoding({"x": x, "y": y}) for x, y in batches]
+    await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, data, optimizer=sgd, loss_fn=loss_fn)
+    assert_same_state(model, expected_model)
+    assert set(seen) == {("Encoding", "tokenizer")}
+    ordered = split_batch(collections.OrderedDict(x=torch.arange(4)), 2)
+    assert [type(shard) for shard in ordered] == [collections.OrderedDict] * 2
 
 
 async def test_dataloader_over_epochs() -> None:
