@@ -86,19 +86,32 @@ def resolve_resume(
 ) -> Checkpoint | None:
     """A checkpoint as given, a file loaded, or the newest checkpoint of a directory (``None`` if it has none).
 
-    A path that does not exist yet is a directory when it is ``checkpoint_dir`` (the same command line for the
-    first run and every restart, ``exp_lr0.01`` included) or has no suffix; otherwise a file that is missing.
+    A path that does not exist yet is an empty directory when it is
+    ``checkpoint_dir`` (the same command line for the first run and every
+    restart, ``exp_lr0.01`` included). Any other missing path is refused when
+    there is a ``checkpoint_dir`` (``resume="runs"`` beside
+    ``checkpoint_dir="run"`` is a typo that would start afresh and write over
+    the run's own files); without one (a session), a missing path with no
+    suffix starts from scratch with a warning, and any other is a missing file.
 
-    :raises ~gsync.CheckpointError: for a file that cannot be loaded.
+    :raises ~gsync.CheckpointError: for a file that cannot be loaded, or a missing path beside a ``checkpoint_dir``.
     """
     if resume is None or isinstance(resume, Checkpoint):
         return resume
     path = Path(resume)
-    is_checkpoint_dir = checkpoint_dir is not None and path.resolve() == Path(checkpoint_dir).resolve()
-    if path.is_dir() or not path.exists() and (is_checkpoint_dir or not path.suffix):
-        # A directory (or one not made yet): the same command line serves the
-        # first run and every restart.
+    if path.is_dir():
         return newest_checkpoint(path)
+    if not path.exists():
+        if checkpoint_dir is not None:
+            if path.resolve() == Path(checkpoint_dir).resolve():
+                return None  # the first run: nothing saved yet
+            raise CheckpointError(
+                f"resume={str(resume)!r} does not exist, and it is not checkpoint_dir ({str(checkpoint_dir)!r}); "
+                "pass resume=checkpoint_dir to start afresh while nothing is saved yet, and resume from there later"
+            )
+        if not path.suffix:
+            warnings.warn(f"resume={str(resume)!r}: no such directory yet, so training starts from scratch", UserWarning, stacklevel=3)
+            return None
     return Checkpoint.load(path)
 
 

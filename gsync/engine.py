@@ -363,7 +363,12 @@ class Engine:
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
         per_epoch = batches_per_epoch(data)
-        if per_epoch is not None and 0 < per_epoch < accumulate:
+        if per_epoch == 0:
+            raise ConfigError(
+                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
+                "its dataset has none: lower batch_size or set drop_last=False"
+            )
+        if per_epoch is not None and per_epoch < accumulate:
             raise ConfigError(
                 f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
                 "no step would run (an epoch's left-over batches are left out, not carried into the next); "

@@ -63,7 +63,7 @@ async def run_fit(
             else None
         )
         loop = _FitLoop(session, callbacks, accumulate, history, writer, resume)
-        display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress) else None
+        display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress, session.rank) else None
         loop.progress = display
         try:
             await loop.run(Feeder(data, epochs, session._loop_handle(), accumulate))

@@ -18,11 +18,13 @@ _LOG_EVERY_S = 5.0
 logger = logging.getLogger("gsync")
 
 
-def progress_wanted(progress: bool | None) -> bool:
-    """``progress=None`` means on, except in tests and under CI (``CI`` or ``PYTEST_CURRENT_TEST`` set)."""
+def progress_wanted(progress: bool | None, rank: int = 0) -> bool:
+    """``progress=None`` means on for rank 0 (every rank runs the same steps: under torchrun, eight bars would fight
+    over one terminal), except in tests and under CI (``CI`` or ``PYTEST_CURRENT_TEST`` set); ``True`` is on for
+    every rank."""
     if progress is not None:
         return bool(progress)
-    return not (os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"))
+    return rank == 0 and not (os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"))
 
 
 class Progress:

@@ -77,8 +77,19 @@ async def test_bad_loss(loss_fn: Callable[..., Any], match: str) -> None:
     assert isinstance(error, gsync.InputTypeError) and "step 0" in str(error)
 
 
-async def test_empty_data() -> None:
-    await refuse(gsync.ConfigError, "no batch", data=[])
+async def test_empty_data_is_refused_before_any_work() -> None:
+    built: list[int] = []
+
+    def optimizer(params: Any) -> torch.optim.Optimizer:
+        built.append(1)
+        return sgd(params)
+
+    await refuse(gsync.ConfigError, "no batch", data=[], optimizer=optimizer)
+    # The DataLoader whose batch_size exceeds its dataset, with drop_last=True, has no batch either.
+    dataset = torch.utils.data.TensorDataset(*make_batches(1, 10)[0])
+    loader = torch.utils.data.DataLoader(dataset, batch_size=16, drop_last=True)
+    await refuse(gsync.ConfigError, "batch_size larger than its dataset", data=loader, optimizer=optimizer)
+    assert built == []
 
 
 class WithoutLength:

@@ -378,3 +378,21 @@ async def test_a_session_resumed_from_its_checkpoint_continues_the_same_random_d
         resumed = [(await session.step(batch)).loss for batch in batches[3:]]
     assert resumed == straight
     assert_same_state(resumed_model, straight_model, atol=0)
+
+
+
+async def test_a_missing_resume_path_beside_a_checkpoint_dir_is_refused(tmp_path: Path) -> None:
+    # resume="runs" beside checkpoint_dir="run" is a typo: starting afresh would write over the run's own files.
+    args: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss, checkpoint_dir=tmp_path / "run")
+    with pytest.raises(gsync.CheckpointError, match="runs' does not exist, and it is not checkpoint_dir"):
+        await gsync.Engine(["cpu"]).fit(TiedNet(), make_batches(2, 8), resume=tmp_path / "runs", **args)
+    assert not (tmp_path / "run").exists()
+
+
+async def test_a_session_resuming_from_a_directory_not_made_yet_starts_afresh_and_says_so(tmp_path: Path) -> None:
+    engine = gsync.Engine(["cpu"])
+    with pytest.warns(UserWarning, match="no such directory yet, so training starts from scratch"):
+        opening = engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss, resume=tmp_path / "run")
+    async with opening as session:
+        assert session.first_step == 0
+        await session.step(make_batches(1, 8)[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import sys
 import threading
 import time
@@ -531,6 +532,18 @@ async def test_bad_callbacks_and_recipe_arguments_are_refused_up_front() -> None
         engine.session(TiedNet(), scheduler=torch.optim.lr_scheduler.StepLR, **args)
 
 
+async def test_the_default_progress_display_is_rank_0s_outside_tests_and_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gsync.progress import progress_wanted
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    # Under torchrun every rank runs the same steps: one bar, not one per rank fighting over the terminal.
+    assert [progress_wanted(None, rank) for rank in range(3)] == [True, False, False]
+    assert [progress_wanted(True, rank) for rank in range(3)] == [True, True, True]
+    monkeypatch.setenv("CI", "true")
+    assert progress_wanted(None, 0) is False
+
+
 async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed: importing it fails
     caplog.set_level("INFO", logger="gsync")
@@ -545,7 +558,9 @@ async def test_fit_progress_bar_formats_figures_only_to_redraw_and_ends_on_the_l
     formatted: list[object] = []
     set_postfix = tqdm.std.tqdm.set_postfix
     monkeypatch.setattr(tqdm.std.tqdm, "set_postfix", lambda bar, *a, **k: formatted.append(k) or set_postfix(bar, *a, **k))
-    monkeypatch.setenv("TQDM_MININTERVAL", "1000")  # no redraw during the run: no figures are formatted for one
+    # No redraw during the run, so no figures are formatted for one. (Not TQDM_MININTERVAL: tqdm reads its
+    # environment once, as it is imported, and without it a slow step redraws after tqdm's default 0.1 s.)
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", functools.partialmethod(tqdm.std.tqdm.__init__, mininterval=1000))
     result = await gsync.Engine(TWO).fit(
         TiedNet(), make_batches(6, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
     )
@@ -555,8 +570,9 @@ async def test_fit_progress_bar_formats_figures_only_to_redraw_and_ends_on_the_l
 
 
 async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("tqdm")
-    monkeypatch.setenv("TQDM_DISABLE", "1")
+    tqdm = pytest.importorskip("tqdm")
+    # What TQDM_DISABLE=1 does to every bar (set so: tqdm reads its environment only as it is imported).
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", functools.partialmethod(tqdm.std.tqdm.__init__, disable=True))
     result = await gsync.Engine(TWO).fit(
         TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
     )
