@@ -57,7 +57,7 @@ class Assembly:
 def plan_buckets(engine: Engine, named_params: Sequence[tuple[str, object]]) -> BucketPlan:
     """The first bucket plan, from the model itself (replicas have the same names, shapes and dtypes).
 
-    :raises ~gsync.ConfigError: when nothing requires grad.
+    :raises ~gsync.ConfigError: when nothing requires grad, or a parameter is not materialized yet (a lazy module).
     """
     return BucketPlan.build(
         named_params,  # type: ignore[arg-type]

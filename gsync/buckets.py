@@ -70,13 +70,19 @@ class BucketPlan:
         order gradients were observed to become ready); by default reverse
         registration order.
 
-        :raises ~gsync.ConfigError: if no parameter requires grad.
+        :raises ~gsync.ConfigError: if no parameter requires grad, or one is not initialized yet (a lazy module).
         """
         if not named_params:
             raise ConfigError(
                 "the model has no parameter that requires grad: there is nothing to train "
                 "(check requires_grad, or that the model was not frozen)"
             )
+        for name, tensor in named_params:
+            if isinstance(tensor, torch.nn.parameter.UninitializedParameter):
+                raise ConfigError(
+                    f"parameter {name} is not initialized yet (a lazy module such as nn.LazyLinear); run one "
+                    "forward pass on a batch before handing the model to gsync, so every parameter has its shape"
+                )
         names = tuple(name for name, _ in named_params)
         shapes = tuple(p.shape for _, p in named_params)
         dtypes = tuple(p.dtype for _, p in named_params)
@@ -270,6 +276,7 @@ class Readiness:
         self._sizes = [len(b.params) for b in plan.buckets]
         self._bucket_of = plan.bucket_of
         self._members = [b.params for b in plan.buckets]
+        self._names = plan.names
         self.reset()
 
     def reset(self) -> None:
@@ -284,7 +291,7 @@ class Readiness:
         """
         if self.fired[param]:
             raise ConfigError(
-                f"parameter {param} received its gradient twice in one step; gsync reduces each gradient once "
+                f"parameter {self._names[param]} received its gradient twice in one step; gsync reduces each gradient once "
                 "per step, so backward must reach each parameter once (reentrant activation checkpointing "
                 "does not: use torch.utils.checkpoint(..., use_reentrant=False))"
             )

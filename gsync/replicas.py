@@ -44,7 +44,7 @@ def build_replicas(
     _refuse_post_accumulate_hooks(model)
     replicas = []
     for spec in devices:
-        module = copy.deepcopy(model).to(spec.torch_device)
+        module = _copy_model(model).to(spec.torch_device)
         _carry_parameter_extras(model, module)
         optimizer = _build_optimizer(recipe, module)
         scheduler = _build_scheduler(recipe, optimizer)
@@ -68,6 +68,17 @@ def build_replicas(
                 scaler.load_state_dict(copy.deepcopy(resume.scaler_state))
         replicas.append(Replica(module, optimizer, scheduler, scaler))
     return replicas
+
+
+def _copy_model(model: nn.Module) -> nn.Module:
+    try:
+        return copy.deepcopy(model)
+    except Exception as error:
+        raise ConfigError(
+            f"the model cannot be copied ({type(error).__name__}: {error}); gsync trains a copy of it on each device "
+            "(copy.deepcopy), so keep what cannot be copied (a lock, an open file, a client) out of the module, "
+            "or give its class a __deepcopy__"
+        ) from error
 
 
 def _carry_parameter_extras(model: nn.Module, replica: nn.Module) -> None:
@@ -103,6 +114,11 @@ def _build_optimizer(recipe: Recipe, replica: nn.Module) -> torch.optim.Optimize
     optimizer = recipe.optimizer(trainable(replica))
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InputTypeError(f"optimizer(params) returned a {type(optimizer).__name__}; it must return a torch.optim.Optimizer")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ConfigError(
+            "SparseAdam steps sparse gradients only, and gsync reduces every gradient densely; use Adam or AdamW "
+            "(with nn.Embedding(sparse=False))"
+        )
     own = {id(p) for p in replica.parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:

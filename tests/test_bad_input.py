@@ -3,6 +3,7 @@ before any optimizer step, leaving the user's model untouched."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +44,21 @@ async def refuse(
 async def test_model_with_nothing_to_train() -> None:
     frozen = TiedNet().requires_grad_(False)
     await refuse(gsync.ConfigError, "no parameter that requires grad", model=frozen)
+
+
+async def test_models_gsync_cannot_copy_or_plan_and_a_sparse_only_optimizer() -> None:
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 5))
+    with pytest.raises(gsync.ConfigError, match=r"parameter 0.weight is not initialized yet \(a lazy module"):
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(lazy, BATCHES, optimizer=sgd, loss_fn=classification_loss)
+
+    class Locked(TiedNet):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()
+
+    await refuse(gsync.ConfigError, "the model cannot be copied .*cannot pickle '_thread.lock'", model=Locked())
+    sparse = lambda params: torch.optim.SparseAdam(params, lr=0.1)  # noqa: E731
+    await refuse(gsync.ConfigError, "SparseAdam steps sparse gradients only", optimizer=sparse)
 
 
 async def test_model_that_is_not_a_module() -> None:

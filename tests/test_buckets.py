@@ -74,7 +74,7 @@ def test_readiness_reports_completed_buckets_and_double_fires() -> None:
     assert ready.mark(1) is None
     assert ready.unfinished() == [(1, (0,))]
     assert ready.mark(0) == 1
-    with pytest.raises(gsync.ConfigError, match="twice"):
+    with pytest.raises(gsync.ConfigError, match="parameter p0 received its gradient twice"):
         ready.mark(0)
     ready.reset()
     assert ready.unfinished() == [(0, (2,)), (1, (1, 0))]

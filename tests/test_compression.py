@@ -241,3 +241,41 @@ async def test_error_feedback_hook_tracks_fp32_more_closely_than_plain_bf16() ->
     feedback = await train(Bf16WithErrorFeedback())
     assert feedback.stats.reduced_bytes == plain.stats.reduced_bytes
     assert distance(feedback.model, exact.model)[1] < distance(plain.model, exact.model)[1]
+
+
+class _Phases(torch.nn.Module):
+    """A complex parameter, as in a model of phases or a spectral filter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.cfloat) * self.weight).abs().sum(-1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("compression", ["bf16", "fp16"])
+async def test_a_complex_gradient_is_compressed_with_its_imaginary_part(compression: str) -> None:
+    torch.manual_seed(0)
+    start = _Phases()
+    batches = [(torch.randn(8, 4), torch.randn(8)) for _ in range(3)]
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return ((model(batch[0]) - batch[1]) ** 2).mean()
+
+    def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=0.05)
+
+    plain = copy.deepcopy(start)
+    opt = optimizer(list(plain.parameters()))
+    for batch in batches:
+        opt.zero_grad()
+        loss_fn(plain, batch).backward()
+        opt.step()
+    engine = gsync.Engine(["cpu:0", "cpu:1"], compression=compression)
+    result = await engine.fit(copy.deepcopy(start), batches, optimizer=optimizer, loss_fn=loss_fn)
+    trained = result.model.get_parameter("weight")
+    # Within the dtype's rounding (a dropped imaginary part was 0.5 off).
+    torch.testing.assert_close(trained.imag, plain.weight.imag, rtol=0, atol=2e-2)
+    torch.testing.assert_close(trained.real, plain.weight.real, rtol=0, atol=2e-2)

@@ -120,10 +120,11 @@ class LowPrecision(CompressionHook):
         return f"LowPrecision({self.dtype})"
 
     def compress(self, bucket: int, device: int, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.dtype)
+        # A complex gradient is cast as its real and imaginary parts: a cast to a real dtype would drop the latter.
+        return (torch.view_as_real(tensor) if tensor.is_complex() else tensor).to(self.dtype)
 
     def decompress(self, bucket: int, device: int, payload: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(payload)
+        (torch.view_as_real(out) if out.is_complex() else out).copy_(payload)
 
 
 _NAMED = {"bf16": torch.bfloat16, "fp16": torch.float16}
