@@ -12,7 +12,8 @@ are weighted zero).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -69,7 +70,9 @@ def _rebuild(like: Any, items: list[Any]) -> Any:
 
 def _rebuild_mapping(like: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     """``items`` as a mapping of ``like``'s type where it can be built so (as torch's ``default_collate`` does)."""
-    if isinstance(like, MutableMapping):
+    # Copied and refilled only where a copy owns its items: a dict's, a UserDict's (.data). Another mapping's
+    # copy may share its store with the batch, and each shard would write over the others and the batch itself.
+    if isinstance(like, (dict, UserDict)):
         try:
             clone = copy.copy(like)
             clone.update(items)

@@ -35,7 +35,7 @@ __all__ = (
     "Feeder",
     "FeedItem",
     "ReadFailed",
-    "set_sampler_epoch",
+    "epoch_setters",
 )
 
 _END = object()
@@ -73,23 +73,32 @@ def batches_per_epoch(data: object) -> int | None:
         return None
 
 
-def set_sampler_epoch(data: object, epoch: int) -> None:
-    """Call ``set_epoch(epoch)`` on a ``DataLoader``'s sampler (or its batch sampler's) where it has one.
+def epoch_setters(data: object, from_zero: bool = False) -> list[tuple[Callable[[int], object], int]]:
+    """The ``set_epoch`` methods of what shuffles ``data`` by epoch, each with the epoch ``fit`` counts from.
 
     A ``DistributedSampler`` shuffles by epoch only when told the epoch; a
     plain loop calls ``set_epoch`` before each epoch, and so do Lightning and
-    Accelerate. A resumed run replays the epochs before its checkpoint the same
-    way, so it reads what the run it continues read.
+    Accelerate. Looked for on ``data.sampler``, ``data.batch_sampler`` (and
+    its ``sampler``) and ``data.dataset`` (a streaming dataset's). The epoch
+    they are at when ``fit`` starts is the base ``fit`` counts from, so a loop
+    that calls ``fit(epochs=1)`` once per epoch after its own ``set_epoch(e)``
+    keeps its numbering; ``from_zero`` (a resumed run, whose epochs are the
+    run's from its start, as the checkpoint counts them) counts from 0.
     """
-    samplers: dict[int, object] = {}
-    for holder, name in ((data, "sampler"), (getattr(data, "batch_sampler", None), "sampler")):
-        sampler = getattr(holder, name, None) if holder is not None else None
-        if sampler is not None:
-            samplers[id(sampler)] = sampler
-    for sampler in samplers.values():
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
+    batch_sampler = getattr(data, "batch_sampler", None)
+    candidates = (
+        getattr(data, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+        getattr(data, "dataset", None),
+    )
+    found: dict[int, tuple[Callable[[int], object], int]] = {}
+    for candidate in candidates:
+        set_epoch = getattr(candidate, "set_epoch", None)
+        if candidate is not None and callable(set_epoch) and id(candidate) not in found:
+            base = 0 if from_zero else getattr(candidate, "epoch", 0)
+            found[id(candidate)] = (set_epoch, base if isinstance(base, int) and not isinstance(base, bool) else 0)
+    return list(found.values())
 
 
 def check_batch_source(data: object) -> None:
@@ -178,9 +187,14 @@ class Feeder:
     """
 
     def __init__(
-        self, data: Iterable[Any] | AsyncIterable[Any], epochs: int, loop: LoopHandle, batches_per_step: int = 1
+        self,
+        data: Iterable[Any] | AsyncIterable[Any],
+        epochs: int,
+        loop: LoopHandle,
+        batches_per_step: int = 1,
+        resuming: bool = False,
     ) -> None:
-        self._data = data
+        self._epoch_setters = epoch_setters(data, from_zero=resuming)
         self._reader = BatchReader(data, loop)
         self._epochs = epochs
         self._batches_per_step = batches_per_step
@@ -216,7 +230,11 @@ class Feeder:
                 if epoch > 0:
                     await self._next_epoch.wait()
                     self._next_epoch = anyio.Event()
-                set_sampler_epoch(self._data, epoch)
+                for set_epoch, base in self._epoch_setters:
+                    try:
+                        set_epoch(base + epoch)
+                    except Exception as error:
+                        raise DataFailed(steps_before) from error
                 count = 0
 
                 def failed(read: int, first: int = steps_before) -> DataFailed:

@@ -66,7 +66,7 @@ async def run_fit(
         display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress, session.rank) else None
         loop.progress = display
         try:
-            await loop.run(Feeder(data, epochs, session._loop_handle(), accumulate))
+            await loop.run(Feeder(data, epochs, session._loop_handle(), accumulate, resuming=resume is not None))
             if not history and resume is not None:
                 raise ConfigError(
                     f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
@@ -136,6 +136,7 @@ class _FitLoop:
         self.progress: Progress | None = None
         self._held: tuple[int, int, list[Any], tuple[int, int]] | None = None
         self._epochs_to_close: list[int] = []
+        self._generators_restored = False
 
     async def call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -202,6 +203,10 @@ class _FitLoop:
                         # The epoch's last step and callbacks run before the next epoch is read (a step
                         # followed by another epoch is not the run's last, unless that epoch is too short).
                         await self._run_held(last=False)
+                        if index == first_step:
+                            # Resuming from the end of this epoch: the run it continues took its checkpoint
+                            # here, before the next epoch's iter(data) (a DataLoader's draws a seed).
+                            self._restore_generators()
                         next_epoch()
                 case ReadFailed(error=error):
                     # The step already read still runs (it is not the last: the data did not end).
@@ -215,10 +220,8 @@ class _FitLoop:
         due: Checkpoint | None = None
         if held is not None:
             step, epoch, batches, position = held
-            if step == self.session.first_step and self.resume is not None:
-                # The data before the checkpoint is replayed; from here on the
-                # run draws random numbers as the one it continues did.
-                restore_checkpoint_rng(self.resume)
+            if step == self.session.first_step:
+                self._restore_generators()
             result = await self.session._step(batches, last=last)
             self.position = position
             self._record(result, epoch)
@@ -241,6 +244,13 @@ class _FitLoop:
                 await self._write(due, generators_now=False)
             raise
         await self._write(due, generators_now=True)
+
+    def _restore_generators(self) -> None:
+        """Once the data before a checkpoint is replayed: from here on the run draws random numbers as the one it
+        continues did."""
+        if self.resume is not None and not self._generators_restored:
+            self._generators_restored = True
+            restore_checkpoint_rng(self.resume)
 
     async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
         """Write the checkpoint a step was due, copied as the step ended; ``generators_now``: with the random

@@ -264,9 +264,14 @@ class DrawsInItsCallbacks:
         torch.rand(3)
 
 
-async def test_a_checkpoint_written_during_a_fit_keeps_the_generators_its_callbacks_leave(tmp_path: Path) -> None:
-    # The next step starts from the generators as the step's callbacks leave them: so must a run resumed there.
-    batches = make_batches(3, 16)
+@pytest.mark.parametrize("data", ["list", "loader"])
+async def test_a_checkpoint_written_during_a_fit_keeps_the_generators_its_callbacks_leave(tmp_path: Path, data: str) -> None:
+    # The next step starts from the generators as the step's callbacks leave them: so must a run resumed there. A
+    # DataLoader draws a seed from the global generator as each epoch begins, after the last epoch's checkpoint.
+    batches: Any = make_batches(3, 16)
+    if data == "loader":
+        rows = torch.utils.data.TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        batches = torch.utils.data.DataLoader(rows, batch_size=16)
     engine = gsync.Engine(["cpu"])
     torch.manual_seed(0)
     model = DropoutNet()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import collections.abc
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -221,6 +223,36 @@ async def test_mapping_batches_that_are_not_dicts_keep_their_type() -> None:
     assert set(seen) == {("Encoding", "tokenizer")}
     ordered = split_batch(collections.OrderedDict(x=torch.arange(4)), 2)
     assert [type(shard) for shard in ordered] == [collections.OrderedDict] * 2
+
+
+class _Store(collections.abc.MutableMapping):  # type: ignore[type-arg]
+    """A mapping whose shallow copy shares its store: shards must not be made by copying and refilling it."""
+
+    def __init__(self, items: dict[str, torch.Tensor]) -> None:
+        self._items = dict(items)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._items[key]
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        self._items[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._items[key]
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+async def test_a_mapping_whose_copies_share_their_items_is_split_without_touching_the_batch() -> None:
+    batch = _Store({"x": torch.arange(4)})
+    shards = split_batch(batch, 2)
+    assert [shard["x"].tolist() for shard in shards] == [[0, 1], [2, 3]]
+    assert all(isinstance(shard, _Store) for shard in shards)
+    assert batch["x"].tolist() == [0, 1, 2, 3]
 
 
 async def test_dataloader_over_epochs() -> None:

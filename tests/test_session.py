@@ -476,13 +476,28 @@ async def test_a_distributed_sampler_reshuffles_each_epoch_as_in_a_plain_loop() 
     assert epochs[0] != epochs[1] != epochs[2]
 
 
+async def test_a_loop_that_sets_the_epoch_itself_and_fits_one_epoch_at_a_time_keeps_its_numbering() -> None:
+    plain, loader = _shuffled_loader(16), _shuffled_loader(16)
+    engine = gsync.Engine(TWO)
+    for epoch in range(3):
+        plain.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for _ in plain:
+            pass
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        await engine.fit(TiedNet(), loader, optimizer=sgd, loss_fn=classification_loss, epochs=1)
+    assert loader.dataset.read == plain.dataset.read  # type: ignore[attr-defined]
+
+
 async def test_a_run_resumed_in_a_later_epoch_reads_that_epochs_shuffle(tmp_path: Any) -> None:
     torch.manual_seed(0)
     model = TiedNet()
     args: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss, epochs=3)
     whole = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), **args)
-    first = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), **{**args, "epochs": 2})
-    resumed = await gsync.Engine(TWO).fit(copy.deepcopy(model), _shuffled_loader(16), resume=first.checkpoint, **args)
+    loader = _shuffled_loader(16)
+    first = await gsync.Engine(TWO).fit(copy.deepcopy(model), loader, **{**args, "epochs": 2})
+    # In the same process (a notebook resuming after a failure) the sampler is left at epoch 1: the resumed run
+    # replays the run's epochs from 0, as the checkpoint counts them.
+    resumed = await gsync.Engine(TWO).fit(copy.deepcopy(model), loader, resume=first.checkpoint, **args)
     assert resumed.first_step == 8
     assert_same_state(resumed.model, whole.model, atol=0)
 
