@@ -254,14 +254,18 @@ def a_rank_fails_while_its_session_starts(case: str) -> dict[str, Any]:
         # A group the user made stays up after rank 1's failure: no connection rank 0 waits on closes.
         dist.init_process_group("gloo")
 
+    # From the end of rank 0's own start-up work, right before the start's collectives: joining the group (rank 1
+    # may start seconds later on a loaded machine) is not what the test bounds.
+    waits_from: list[float] = []
+
     def optimizer(params: Any) -> torch.optim.Optimizer:
         if rank == 1:
             if case == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("no optimizer for rank 1")
+        waits_from.append(time.monotonic())
         return sgd(params)
 
-    started = time.monotonic()
     try:
         asyncio.run(
             gsync.Engine(["cpu"], sync_timeout=20).fit(TiedNet(), make_batches(2, 8), optimizer=optimizer, loss_fn=classification_loss)
@@ -270,7 +274,7 @@ def a_rank_fails_while_its_session_starts(case: str) -> dict[str, Any]:
         out = {
             "type": type(error).__name__,
             "message": str(error),
-            "elapsed": time.monotonic() - started,
+            "elapsed": time.monotonic() - waits_from[0] if waits_from else None,
             "rank": getattr(error, "rank", None),
             "site": getattr(error, "site", None),
         }
@@ -306,8 +310,7 @@ def test_a_rank_failing_while_its_session_starts_is_named_not_waited_for(case: s
         assert peer.value["site"] == "session start", peer.value
         assert "rank 1 failed to start its session: ValueError: no optimizer for rank 1" in peer.value["message"], peer.value
     assert peer.value["rank"] == 1, peer.value
-    # Joining the group is in it, and rank 1 may start seconds after rank 0 on a loaded machine.
-    assert peer.value["elapsed"] < 30, peer.value
+    assert peer.value["elapsed"] < 15, peer.value
 
 
 def rank_0_cancelled_while_its_session_starts() -> dict[str, Any]:
