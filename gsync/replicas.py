@@ -150,7 +150,7 @@ def _build_scheduler(recipe: Recipe, optimizer: torch.optim.Optimizer) -> Any:
         raise InputTypeError(
             f"{type(scheduler).__name__}.step() needs an argument ({required[0].name}), and gsync steps the scheduler "
             "with none after every step; for a metric-driven schedule such as ReduceLROnPlateau, leave scheduler= "
-            "out and adjust the learning rate from your loop"
+            "out and build one over each of session.optimizers, stepped from your loop"
         )
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ConfigError(

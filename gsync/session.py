@@ -179,6 +179,21 @@ class Session:
     # -- public ----------------------------------------------------------------
 
     @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """This process's replicas' optimizers, one per local device, for what ``scheduler=`` cannot do.
+
+        A metric-driven schedule (``ReduceLROnPlateau``, stepped with a
+        validation loss) or a learning rate set by hand: build or change it
+        over every one of them, the same way, between steps (on every rank:
+        ``evaluate`` returns the same global metrics everywhere). Replicas
+        whose optimizers differ would train apart.
+
+        :raises ~gsync.SessionClosed: outside the session's ``async with`` block.
+        """
+        self._check_usable("optimizers")
+        return tuple(actor.optimizer for actor in self._actors)
+
+    @property
     def next_step(self) -> int:
         """The global index the next :meth:`step` will have."""
         return self._next_step
