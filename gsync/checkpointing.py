@@ -110,7 +110,9 @@ def resolve_resume(
                 "pass resume=checkpoint_dir to start afresh while nothing is saved yet, and resume from there later"
             )
         if not path.suffix:
-            warnings.warn(f"resume={str(resume)!r}: no such directory yet, so training starts from scratch", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"resume={str(resume)!r}: no such directory yet, so training starts from scratch", UserWarning, stacklevel=3
+            )
             return None
     return Checkpoint.load(path)
 
