@@ -4,10 +4,9 @@ A batch is a tensor or a (nested) tuple, list or mapping of tensors (a dict,
 or a ``Mapping`` such as transformers' ``BatchEncoding``), all with the same
 size along dim 0. It is split into contiguous shards along dim 0 that keep the
 batch's types, one per device in device order, with ``torch.tensor_split``
-semantics: shard sizes
-differ by at most one, and when a batch has fewer rows than there are devices
-the last devices get empty shards (they contribute nothing to that step and
-are weighted zero).
+semantics: shard sizes differ by at most one, and when a batch has fewer rows
+than there are devices the last devices get empty shards (they contribute
+nothing to that step and are weighted zero).
 """
 
 from __future__ import annotations
