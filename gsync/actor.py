@@ -25,6 +25,7 @@ result is discarded.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from typing import Any
@@ -521,7 +522,7 @@ class DeviceActor:
             finally:
                 for module, training in modes:
                     module.training = training
-        return {name: float(metric) * rows for name, metric in _metrics(value, metric_fn, self.spec.name).items()}
+        return {name: _scalar(metric) * rows for name, metric in _metrics(value, metric_fn, self.spec.name).items()}
 
     # -- on the event loop -----------------------------------------------------
 
@@ -689,6 +690,12 @@ class DeviceActor:
         self.worker.stop()
 
 
+def _scalar(metric: Any) -> float:
+    # .item() reads a one-element tensor or array whatever its shape (float() takes 0-d arrays only).
+    item = getattr(metric, "item", None)
+    return float(item() if callable(item) else metric)
+
+
 def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:
     """A metric function's result as a dict of scalars: a dict as is, a scalar under the function's name."""
     if isinstance(value, dict):
@@ -705,10 +712,13 @@ def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:
             )
         if isinstance(metric, torch.Tensor) and metric.numel() == 1:
             continue
-        if isinstance(metric, (int, float)) and not isinstance(metric, bool):
+        if isinstance(metric, numbers.Real):  # int, float, bool (a fraction of rows), NumPy's scalars
+            continue
+        # A one-element NumPy array (np.mean(..., keepdims=True)) is as much a scalar as a one-element tensor.
+        if getattr(metric, "size", None) == 1 and callable(getattr(metric, "item", None)):
             continue
         raise InputTypeError(
             f"the metric function returned {type(metric).__name__} for {name!r} on {device}; "
-            "it must return a scalar (a number or a one-element tensor) or a dict of scalars"
+            "it must return a scalar (a number, a NumPy scalar or a one-element tensor) or a dict of scalars"
         )
     return metrics

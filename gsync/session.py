@@ -350,12 +350,16 @@ class Session:
         return names, totals
 
     async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
-        """Combine one value per *process* (not per device) over every process; returned as is in one process.
+        """Combine one value per *process* (not per device) over every process.
 
         ``value`` is a number or a tensor (the same shape on every rank);
         ``op`` is ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``. Across
         processes it is a collective: every rank must call it, in the same
-        order, with a value of the same shape and dtype.
+        order, with a value of the same shape and dtype. The result has the
+        same type on any number of processes: an ``int`` stays an ``int``
+        (reduced exactly, as int64) and a tensor keeps its dtype, except that
+        ``"mean"`` divides, giving a ``float`` (a floating tensor). In one
+        process ``sum``, ``max`` and ``min`` return the value itself.
 
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
@@ -368,8 +372,11 @@ class Session:
         self._check_usable("all_reduce")
         runtime = self._runtime
         if runtime is None:
-            return value
-        tensor = value.detach().clone() if is_tensor else torch.tensor(float(value), dtype=torch.float64)  # type: ignore[union-attr]
+            return _reduced_as(value, value, op, 1)
+        if is_tensor:
+            tensor = value.detach().clone()  # type: ignore[union-attr]
+        else:
+            tensor = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
         failure: GsyncError | None = None
         try:
             async with self._operation():
@@ -380,9 +387,7 @@ class Session:
             failure = error
         if failure is not None:
             raise self._fail(failure)
-        if op == "mean":
-            reduced = reduced / self.world_size
-        return reduced if is_tensor else float(reduced)
+        return _reduced_as(value, reduced, op, self.world_size)
 
     def checkpoint(self) -> Checkpoint:
         """The current consistent state as of the last step, copied to the CPU.
@@ -957,6 +962,17 @@ async def open_session(
         if isinstance(raised, GsyncError):
             logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
         raise raised
+
+
+def _reduced_as(value: float | torch.Tensor, reduced: float | torch.Tensor, op: str, world_size: int) -> float | torch.Tensor:
+    """``all_reduce``'s result for ``value``: its own type, or a float (a floating tensor) for a mean."""
+    if op == "mean":
+        reduced = reduced / world_size
+    if isinstance(value, torch.Tensor) or reduced is value:
+        return reduced
+    if isinstance(reduced, torch.Tensor):
+        return int(reduced) if isinstance(value, int) and op != "mean" else float(reduced)
+    return float(reduced) if op == "mean" else reduced
 
 
 def _departure(news: FailureReport | list[LostRank]) -> bool:

@@ -57,15 +57,24 @@ class Fault:
     """Set it to let a stall continue."""
     fired_at: float | None = None
     """``time.monotonic()`` when the fault fired."""
+    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def matches(self, device: int, step: int, site: str) -> bool:
         if self.reached.is_set() or step != self.step or site != self.site:
             return False
         return site == "all_reduce" or self.device is None or self.device == device
 
+    def claim(self, device: int, step: int, site: str) -> bool:
+        """Whether this fault fires here; at most once, though devices' threads reach their sites together."""
+        with self._claim_lock:
+            if not self.matches(device, step, site):
+                return False
+            self.fired_at = time.monotonic()
+            self.reached.set()
+            return True
+
     def fire(self, abort: threading.Event) -> None:
-        self.fired_at = time.monotonic()
-        self.reached.set()
+        """Raise or stall, as the fault says (once :meth:`claim` said it fires)."""
         if not self.stall:
             raise self.error or InjectedFault(f"injected fault at device {self.device}, step {self.step}, {self.site}")
         if not self.interruptible:
@@ -78,6 +87,10 @@ class Fault:
 
 
 def _check(device: int | None, step: int, site: str) -> None:
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int (a step index), got {step!r}")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)):
+        raise TypeError(f"device must be an int (an index into the engine's devices) or None, got {device!r}")
     if site not in _SITES:
         raise ValueError(f"site must be one of {_SITES}, got {site!r}")
     if step < 0 and not (site == "evaluate" and step == -1):
@@ -115,13 +128,23 @@ class _Injector:
 
     def __call__(self, device: int, step: int, site: str, abort: threading.Event) -> None:
         for fault in self.faults:
-            if fault.matches(device, step, site):
+            if fault.claim(device, step, site):
                 fault.fire(abort)
 
 
 @contextmanager
 def inject(engine: Engine, *faults: Fault) -> Iterator[Sequence[Fault]]:
-    """Arm ``faults`` for every ``fit`` of ``engine`` started inside the block."""
+    """Arm ``faults`` for every ``fit`` or session of ``engine`` started inside the block.
+
+    :raises ValueError: for a fault on a device the engine does not have (it could never fire).
+    """
+    for fault in faults:
+        if fault.device is not None and fault.site != "all_reduce" and fault.device >= len(engine.devices):
+            names = ", ".join(spec.name for spec in engine.devices)
+            raise ValueError(
+                f"the fault is for device {fault.device}, and this engine has {len(engine.devices)} ({names}): "
+                "it could never fire; devices are indexed from 0 in the engine's order (this process's)"
+            )
     injector = _Injector(faults)
     engine.site_hooks.append(injector)
     try:

@@ -430,6 +430,34 @@ async def test_fault_arguments_are_checked() -> None:
         gsync.testing.stall(0, -1, "forward")
     with pytest.raises(ValueError, match="step"):
         gsync.testing.stall(0, -2, "evaluate")
+    # Faults that could never fire are refused rather than passing a test that asserted nothing.
+    with pytest.raises(TypeError, match="step must be an int"):
+        gsync.testing.fail(0, 1.5, "forward")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="step must be an int"):
+        gsync.testing.fail(0, True, "forward")
+    with pytest.raises(TypeError, match="device must be an int"):
+        gsync.testing.fail(0.0, 1, "forward")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="for device 2, and this engine has 2 \\(cpu:0, cpu:1\\)"):
+        with gsync.testing.inject(gsync.Engine(["cpu:0", "cpu:1"]), gsync.testing.fail(2, 0, "forward")):
+            pass
+
+
+async def test_a_fault_for_any_device_fires_once_though_devices_reach_it_together() -> None:
+    for _ in range(20):
+        fault = gsync.testing.fail(None, 0, "forward")
+        start = threading.Barrier(8)
+        claims: list[bool] = []
+
+        def reach(device: int, fault: gsync.testing.Fault = fault, start: threading.Barrier = start) -> None:
+            start.wait()
+            claims.append(fault.claim(device, 0, "forward"))
+
+        threads = [threading.Thread(target=reach, args=(device,)) for device in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert claims.count(True) == 1
 
 
 async def test_an_evaluate_before_the_first_step_can_be_made_to_fail(no_leaks: None) -> None:

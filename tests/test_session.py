@@ -283,6 +283,18 @@ async def test_evaluate_data_that_fails_raises_data_failed_and_closes_the_sessio
     assert error.checkpoint is not None and error.checkpoint.step == 0
 
 
+async def test_metrics_may_be_numpy_scalars_and_bools_as_a_plain_loop_would_take_them() -> None:
+    import numpy as np
+
+    def metrics(model: nn.Module, batch: Any) -> dict[str, Any]:
+        rows = len(batch[1])
+        return {"half": np.float32(0.5), "rows": np.int64(rows), "positive": True, "quarter": np.array([0.25])}
+
+    async with gsync.Engine(TWO).session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        result = await session.evaluate(make_batches(2, 8), metric_fn=metrics)
+    assert result == {"half": 0.5, "rows": 4.0, "positive": 1.0, "quarter": 0.25}
+
+
 async def test_metric_names_must_be_strings_in_one_process_as_across_processes() -> None:
     def by_class(model: nn.Module, batch: Any) -> dict[Any, float]:
         return {0: 1.0}
@@ -378,6 +390,10 @@ async def test_all_reduce_in_one_process_returns_the_value_as_is() -> None:
         tensor = torch.arange(3.0)
         assert await session.all_reduce(tensor) is tensor
         assert await session.all_reduce(2.5, op="max") == 2.5
+        # The types any number of processes gives: an int stays an int, a mean is a float.
+        assert type(await session.all_reduce(3)) is int
+        assert type(await session.all_reduce(3, op="mean")) is float
+        assert (await session.all_reduce(torch.tensor([3, 4]), op="mean")).dtype == torch.float32
         with pytest.raises(gsync.ConfigError, match="op must be"):
             await session.all_reduce(1.0, op="product")  # type: ignore[arg-type]
         with pytest.raises(gsync.InputTypeError):

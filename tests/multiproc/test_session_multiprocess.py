@@ -43,6 +43,9 @@ def recipe_everywhere() -> dict[str, Any]:
             out["mean"] = await session.all_reduce(torch.tensor([rank, 10.0]), op="mean")
             out["max"] = await session.all_reduce(float(rank), op="max")
             out["min"] = await session.all_reduce(float(rank), op="min")
+            # An int stays an int (exactly, past float64's 2**53), as it does in one process; a mean is a float.
+            out["int_sum"] = await session.all_reduce(2**53 + rank)
+            out["int_mean"] = await session.all_reduce(rank, op="mean")
             out["world"] = (session.rank, session.world_size)
             # Process-local data: each rank evaluates its own half of the rows.
         out["losses"] = [r.loss for r in results]
@@ -86,6 +89,8 @@ def test_a_session_recipe_across_processes_matches_a_plain_loop() -> None:
         assert out["sum"] == 3.0
         assert out["mean"].tolist() == [0.5, 10.0]
         assert (out["max"], out["min"]) == (1.0, 0.0)
+        assert out["int_sum"] == 2**54 + 1 and type(out["int_sum"]) is int
+        assert out["int_mean"] == 0.5 and type(out["int_mean"]) is float
         assert out["world"] == (result.rank, 2)
 
 
