@@ -716,7 +716,8 @@ def _metrics(value: Any, metric_fn: MetricFn, device: str) -> dict[str, Any]:
             continue
         # A one-element NumPy array (np.mean(..., keepdims=True)) is as much a scalar as a one-element tensor.
         if getattr(metric, "size", None) == 1 and callable(getattr(metric, "item", None)):
-            continue
+            if isinstance(metric.item(), numbers.Real):
+                continue
         raise InputTypeError(
             f"the metric function returned {type(metric).__name__} for {name!r} on {device}; "
             "it must return a scalar (a number, a NumPy scalar or a one-element tensor) or a dict of scalars"

@@ -14,6 +14,7 @@ runs the steps it already has before raising it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import AsyncGenerator, AsyncIterable, Awaitable, Callable, Iterable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -96,9 +97,19 @@ def epoch_setters(data: object, from_zero: bool = False) -> list[tuple[Callable[
     for candidate in candidates:
         set_epoch = getattr(candidate, "set_epoch", None)
         if candidate is not None and callable(set_epoch) and id(candidate) not in found:
-            base = 0 if from_zero else getattr(candidate, "epoch", 0)
-            found[id(candidate)] = (set_epoch, base if isinstance(base, int) and not isinstance(base, bool) else 0)
+            found[id(candidate)] = (set_epoch, 0 if from_zero else _epoch_of(candidate))
     return list(found.values())
+
+
+def _epoch_of(sampler: object) -> int:
+    """The epoch a sampler is at (an int, a NumPy integer, a 0-d tensor), or 0 when it does not say."""
+    epoch = getattr(sampler, "epoch", 0)
+    if isinstance(epoch, bool):
+        return 0
+    try:
+        return operator.index(epoch)
+    except TypeError:
+        return 0
 
 
 def check_batch_source(data: object) -> None:

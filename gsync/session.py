@@ -189,6 +189,7 @@ class Session:
         whose optimizers differ would train apart.
 
         :raises ~gsync.SessionClosed: outside the session's ``async with`` block.
+        :raises ~gsync.ConfigError: while a step, evaluate or all_reduce runs.
         """
         self._check_usable("optimizers")
         return tuple(actor.optimizer for actor in self._actors)
@@ -357,9 +358,10 @@ class Session:
         processes it is a collective: every rank must call it, in the same
         order, with a value of the same shape and dtype. The result has the
         same type on any number of processes: an ``int`` stays an ``int``
-        (reduced exactly, as int64) and a tensor keeps its dtype, except that
-        ``"mean"`` divides, giving a ``float`` (a floating tensor). In one
-        process ``sum``, ``max`` and ``min`` return the value itself.
+        (reduced as int64) and a tensor keeps its dtype, except that
+        ``"mean"`` divides, giving a ``float`` (a floating tensor: float64 for
+        an integer or bool one). In one process ``sum``, ``max`` and ``min``
+        return the value itself.
 
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
@@ -369,6 +371,11 @@ class Session:
         is_tensor = isinstance(value, torch.Tensor)
         if not is_tensor and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise InputTypeError(f"all_reduce takes a number or a tensor, got {type(value).__name__}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ConfigError(f"all_reduce reduces an int as int64; {value} does not fit: pass a float, or scale it")
+        if op == "mean" and isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
+            # Averaged as float64: an integer or bool sum would overflow, and a bool sum is an OR on some backends.
+            value = value.to(torch.float64)
         self._check_usable("all_reduce")
         runtime = self._runtime
         if runtime is None:
@@ -966,13 +973,12 @@ async def open_session(
 
 def _reduced_as(value: float | torch.Tensor, reduced: float | torch.Tensor, op: str, world_size: int) -> float | torch.Tensor:
     """``all_reduce``'s result for ``value``: its own type, or a float (a floating tensor) for a mean."""
+    if isinstance(value, torch.Tensor):
+        return reduced / world_size if op == "mean" else reduced
+    total = reduced.item() if isinstance(reduced, torch.Tensor) else reduced
     if op == "mean":
-        reduced = reduced / world_size
-    if isinstance(value, torch.Tensor) or reduced is value:
-        return reduced
-    if isinstance(reduced, torch.Tensor):
-        return int(reduced) if isinstance(value, int) and op != "mean" else float(reduced)
-    return float(reduced) if op == "mean" else reduced
+        return total / world_size  # a Python division: an int64 sum is divided exactly, not in float32
+    return int(total) if isinstance(value, int) else float(total)
 
 
 def _departure(news: FailureReport | list[LostRank]) -> bool:

@@ -57,7 +57,7 @@ class Fault:
     """Set it to let a stall continue."""
     fired_at: float | None = None
     """``time.monotonic()`` when the fault fired."""
-    _claim_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _claim_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def matches(self, device: int, step: int, site: str) -> bool:
         if self.reached.is_set() or step != self.step or site != self.site:

@@ -393,7 +393,10 @@ async def test_all_reduce_in_one_process_returns_the_value_as_is() -> None:
         # The types any number of processes gives: an int stays an int, a mean is a float.
         assert type(await session.all_reduce(3)) is int
         assert type(await session.all_reduce(3, op="mean")) is float
-        assert (await session.all_reduce(torch.tensor([3, 4]), op="mean")).dtype == torch.float32
+        assert (await session.all_reduce(torch.tensor([3, 4]), op="mean")).dtype == torch.float64
+        assert (await session.all_reduce(torch.tensor([True, False]), op="mean")).tolist() == [1.0, 0.0]
+        with pytest.raises(gsync.ConfigError, match="does not fit"):
+            await session.all_reduce(2**63)
         with pytest.raises(gsync.ConfigError, match="op must be"):
             await session.all_reduce(1.0, op="product")  # type: ignore[arg-type]
         with pytest.raises(gsync.InputTypeError):

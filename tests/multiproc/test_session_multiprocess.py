@@ -46,6 +46,8 @@ def recipe_everywhere() -> dict[str, Any]:
             # An int stays an int (exactly, past float64's 2**53), as it does in one process; a mean is a float.
             out["int_sum"] = await session.all_reduce(2**53 + rank)
             out["int_mean"] = await session.all_reduce(rank, op="mean")
+            out["big_mean"] = await session.all_reduce(10**12 + 1, op="mean")  # past float32's 2**24
+            out["bool_mean"] = await session.all_reduce(torch.tensor([True, rank == 0]), op="mean")
             out["world"] = (session.rank, session.world_size)
             # Process-local data: each rank evaluates its own half of the rows.
         out["losses"] = [r.loss for r in results]
@@ -91,6 +93,8 @@ def test_a_session_recipe_across_processes_matches_a_plain_loop() -> None:
         assert (out["max"], out["min"]) == (1.0, 0.0)
         assert out["int_sum"] == 2**54 + 1 and type(out["int_sum"]) is int
         assert out["int_mean"] == 0.5 and type(out["int_mean"]) is float
+        assert out["big_mean"] == 10**12 + 1
+        assert out["bool_mean"].tolist() == [1.0, 0.5] and out["bool_mean"].dtype == torch.float64
         assert out["world"] == (result.rank, 2)
 
 
