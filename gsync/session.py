@@ -697,7 +697,7 @@ class Session:
         report = self._peer_news[0]
         if isinstance(report, list):
             raise PeerLost(report)
-        if report.error_type == _DEPARTED and not (self._stepping and self._operations_done >= report.operations):
+        if _departure(report) and not (self._stepping and self._operations_done >= report.operations):
             self._peer_left = report
             return
         over = self._operation_over
