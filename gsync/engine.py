@@ -11,9 +11,8 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Literal
+from collections.abc import AsyncIterable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -27,11 +26,13 @@ from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHoo
 from .devices import DeviceSpec, parse_devices
 from .distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
-from .feeder import batches_per_epoch, check_batch_source
-from .fit import check_callbacks, run_fit
+from .fit import FitLoopSettings
 from .result import FitResult, FitStats
-from .session import Session, open_session
+from .session import SessionOpener
 from .trace import Trace, trace_setting
+
+if TYPE_CHECKING:
+    from ._session.service import SessionService
 
 __all__ = ("Engine", "FitResult", "FitStats")
 
@@ -199,7 +200,7 @@ class Engine:
         self.site_hooks: list[SiteHook] = []
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
         every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
-        self._running = False
+        self._open_service: SessionService | None = None
 
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"
@@ -215,7 +216,7 @@ class Engine:
         autocast: torch.dtype | None = None,
         resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
-    ) -> AbstractAsyncContextManager[Session]:
+    ) -> SessionOpener:
         """Open a session for your own training loop: ``async with engine.session(model, ...) as session``.
 
         Inside the block, ``await session.step(batch)`` is one optimizer step
@@ -257,18 +258,16 @@ class Engine:
         """
         resume = _resolve_resume(resume)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
-        return self._exclusive(open_session(self, model, recipe, resume=resume, process_local_data=process_local_data))
+        return SessionOpener(self, model, recipe, resume, bool(process_local_data))
 
-    @asynccontextmanager
-    async def _exclusive(self, inner: AbstractAsyncContextManager[Session]) -> AsyncIterator[Session]:
-        if self._running:
-            raise ConfigError("this engine is already running a fit or session; finish it before starting another")
-        self._running = True
-        try:
-            async with inner as session:
-                yield session
-        finally:
-            self._running = False
+    async def aclose(self) -> None:
+        """Close the session this engine has open, if any, as :meth:`gsync.Session.aclose` does.
+
+        :raises: what :meth:`gsync.Session.aclose` raises: a failure that no call has raised yet.
+        """
+        service = self._open_service
+        if service is not None:
+            await service.close()
 
     async def fit(
         self,
@@ -358,44 +357,10 @@ class Engine:
         """
         resume = _resolve_resume(resume, checkpoint_dir)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
-        _check_data(data, epochs)
-        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
-        per_epoch = batches_per_epoch(data)
-        if per_epoch == 0:
-            raise ConfigError(
-                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
-                "its dataset has none: lower batch_size or set drop_last=False"
-            )
-        if per_epoch is not None and per_epoch < accumulate:
-            raise ConfigError(
-                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
-                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
-                "lower accumulate"
-            )
-        checked_callbacks = check_callbacks(callbacks)
-        if progress is not None and not isinstance(progress, bool):
-            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-        if self._running:
-            raise ConfigError("this engine is already running a fit or session; finish it before starting another")
-        self._running = True
-        try:
-            return await run_fit(
-                self,
-                model,
-                data,
-                recipe,
-                epochs=epochs,
-                resume=resume,
-                process_local_data=process_local_data,
-                accumulate=accumulate,
-                callbacks=checked_callbacks,
-                progress=progress,
-                checkpoints=checkpoints,
-            )
-        finally:
-            self._running = False
+        settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
+        async with SessionOpener(self, model, recipe, resume, bool(process_local_data)) as session:
+            result = await session._fit(data, settings, result_model=model)
+        return result
 
 
 def _default_devices_of_this_process() -> list[str]:
@@ -428,6 +393,17 @@ def _recipe(
     """
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # Each replica is a copy moved onto its device, and a meta tensor has a shape but no data to move: torch's own
+    # "Cannot copy out of meta tensor" would come from deep inside the session's start.
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.is_meta:
+                raise ConfigError(
+                    f"{kind} {name} is on the meta device (a shape with no data), so there is nothing to copy onto "
+                    "each device: materialize the model first, e.g. model.to_empty(device='cpu') and then "
+                    "initialize it (model.load_state_dict(state) or each layer's reset_parameters()), "
+                    "or build it on a real device"
+                )
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
         raise InputTypeError(
             "optimizer must be a factory, called once per replica with that replica's parameters, "
@@ -435,6 +411,28 @@ def _recipe(
         )
     if not callable(loss_fn):
         raise InputTypeError("loss_fn must be callable as loss_fn(model, shard) -> scalar tensor")
+    # torch's losses take (input, target): passed as loss_fn they would fail on every device at step 0 with
+    # "argument 'input' must be Tensor, not Sequential", which never says what gsync calls.
+    calls = "gsync calls loss_fn(model, batch) with each device's replica and its shard of the batch"
+    wrap = (
+        f"{calls}; wrap the loss, e.g. criterion = nn.CrossEntropyLoss(); "
+        "loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])"
+    )
+    if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):
+        raise InputTypeError(f"loss_fn is the class {loss_fn.__name__}, not a loss function; {wrap}")
+    if isinstance(loss_fn, nn.modules.loss._Loss):
+        raise InputTypeError(f"loss_fn is a {type(loss_fn).__name__} module, which takes (input, target); {wrap}")
+    if getattr(loss_fn, "__module__", None) == "torch.nn.functional":
+        name = getattr(loss_fn, "__name__", "loss")
+        raise InputTypeError(f"loss_fn is torch.nn.functional.{name}, which takes (input, target); {wrap}")
+    try:
+        inspect.signature(loss_fn).bind(model, None)
+    except TypeError as error:
+        raise InputTypeError(
+            f"loss_fn cannot be called as loss_fn(model, batch) ({error}): {calls}, and takes back the shard's mean loss"
+        ) from None
+    except ValueError:
+        pass  # no signature to read (a builtin): the first step tells
     # A scheduler already built has a step method; so does a scheduler class, which is a factory (LinearLR).
     built = hasattr(scheduler, "step") and not isinstance(scheduler, type)
     if scheduler is not None and (not callable(scheduler) or built):
@@ -474,15 +472,3 @@ def _check_builds_from_the_optimizer_alone(scheduler: type) -> None:
             f"scheduler={name} needs more than the optimizer to build ({error}); give a factory instead, "
             f"e.g. scheduler=lambda optimizer: {name}(optimizer, ...)"
         ) from None
-
-
-def _check_data(data: object, epochs: object) -> None:
-    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-        raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
-    check_batch_source(data)
-    one_shot = isinstance(data, (Iterator, AsyncIterator))
-    if one_shot and epochs > 1:
-        raise ConfigError(
-            f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
-            "so each epoch can start over"
-        )

@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import AsyncIterable, Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -19,96 +19,145 @@ from torch import nn
 
 from .checkpoint import Checkpoint, restore_checkpoint_rng
 from .checkpointing import CheckpointSettings, CheckpointWriter
-from .context import Recipe
 from .errors import CheckpointError, ConfigError, InputTypeError, StopTraining
-from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch
+from .feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch, check_batch_source
 from .outcome import flatten, is_cancellation
 from .progress import Progress, progress_wanted
 from .result import FitResult, StepRecord
-from .session import Session, StepResult, open_session
+from .result import StepResult
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream
 
-    from .engine import Engine
+    from ._session.core import SessionCore
+    from .session import Session
 
-__all__ = ("run_fit",)
+__all__ = ("FitLoopSettings", "check_callbacks", "run_fit")
 
 _CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end")
 
 
+@dataclass(frozen=True)
+class FitLoopSettings:
+    """``fit``'s loop arguments, checked: what :meth:`gsync.Session.fit` and :meth:`gsync.Engine.fit` share."""
+
+    epochs: int
+    accumulate: int
+    callbacks: list[Any]
+    progress: bool | None
+    checkpoints: CheckpointSettings | None
+
+    @classmethod
+    def checked(
+        cls,
+        data: object,
+        epochs: object,
+        accumulate: object,
+        callbacks: object,
+        progress: object,
+        checkpoint_dir: object,
+        checkpoint_every: object,
+        keep: object,
+    ) -> FitLoopSettings:
+        """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+        check_batch_source(data)
+        if isinstance(data, (Iterator, AsyncIterator)) and epochs > 1:
+            raise ConfigError(
+                f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
+                "so each epoch can start over"
+            )
+        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)  # type: ignore[arg-type]
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        per_epoch = batches_per_epoch(data)
+        if per_epoch == 0:
+            raise ConfigError(
+                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
+                "its dataset has none: lower batch_size or set drop_last=False"
+            )
+        if per_epoch is not None and per_epoch < accumulate:
+            raise ConfigError(
+                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
+                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
+                "lower accumulate"
+            )
+        checked_callbacks = check_callbacks(callbacks)
+        if progress is not None and not isinstance(progress, bool):
+            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
+        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints)
+
+
 async def run_fit(
-    engine: Engine,
-    model: nn.Module,
+    session: Session,
+    core: SessionCore,
     data: Iterable[Any] | AsyncIterable[Any],
-    recipe: Recipe,
-    *,
-    epochs: int,
-    resume: Checkpoint | None,
-    process_local_data: bool,
-    accumulate: int,
-    callbacks: Sequence[Any],
-    progress: bool | None,
-    checkpoints: CheckpointSettings | None = None,
+    settings: FitLoopSettings,
+    result_model: nn.Module | None = None,
 ) -> FitResult:
+    """The loop of one fit over an open session; ``result_model``: the result's model (default ``session.model``).
+
+    The caller closes the session if this raises (see :meth:`gsync.Session.fit`).
+    """
     history: list[StepRecord] = []
-    # The generators are restored once the data is replayed up to the checkpoint (see _FitLoop).
-    async with open_session(
-        engine, model, recipe, resume=resume, process_local_data=process_local_data, restore_rng=False
-    ) as session:
-        # One rank writes: the replicas of every rank hold the same state.
-        writer = (
-            CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, session._loop_handle())
-            if checkpoints is not None and session.rank == 0
-            else None
-        )
-        loop = _FitLoop(session, callbacks, accumulate, history, writer, resume)
-        display = Progress(_total_steps(data, epochs, accumulate), session.first_step) if progress_wanted(progress, session.rank) else None
-        loop.progress = display
+    epochs, accumulate, checkpoints = settings.epochs, settings.accumulate, settings.checkpoints
+    # The first fit of a resumed session continues the run its checkpoint came from: the data is replayed up to
+    # it, and the generators restored there; any other fit trains on its data from the session's next step.
+    resume = core.resume if core.replay_pending else None
+    # One rank writes: the replicas of every rank hold the same state.
+    writer = (
+        CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
+        if checkpoints is not None and session.rank == 0
+        else None
+    )
+    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume)
+    total = _total_steps(data, epochs, accumulate)
+    display = Progress(total, core.next_step) if progress_wanted(settings.progress, session.rank) else None
+    loop.progress = display
+    try:
+        await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
+        if not history and resume is not None:
+            raise ConfigError(
+                f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
+                "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+            )
+        if not history:
+            # Data whose length is known is refused before any work (FitLoopSettings); this is data without one.
+            raise ConfigError(
+                f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
+                "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
+            )
+        # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
+        # from it continues as one that never stopped, which would not have called on_fit_end there.
+        checkpoint = replace(core.checkpoint(), data_position=loop.position)
+        steps_before = core.next_step
         try:
-            await loop.run(Feeder(data, epochs, session._loop_handle(), accumulate, resuming=resume is not None))
-            if not history and resume is not None:
-                raise ConfigError(
-                    f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
-                    "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
-                )
-            if not history:
-                # Data whose length is known is refused before any work (Engine.fit); this is data without one.
-                raise ConfigError(
-                    f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
-                    "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
-                )
-            # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
-            # from it continues as one that never stopped, which would not have called on_fit_end there.
-            checkpoint = replace(session.checkpoint(), data_position=loop.position)
-            steps_before = session.next_step
-            try:
-                await loop.call("on_fit_end", session)
-            except StopTraining:
-                pass  # training has ended anyway
-            if session.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
-                checkpoint = replace(session.checkpoint(), data_position=loop.position)
-            if writer is not None:
-                await writer.write(checkpoint)
-                await writer.close()
-        except BaseException:
-            if writer is not None:
-                # The run's own error matters more than the last write's.
-                with anyio.CancelScope(shield=True):
-                    await writer.abandon()
-            raise
-        finally:
-            if display is not None:
-                display.close()
-        stats = session.stats
+            await loop.call("on_fit_end", session)
+        except StopTraining:
+            pass  # training has ended anyway
+        if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
+            checkpoint = replace(core.checkpoint(), data_position=loop.position)
+        if writer is not None:
+            await writer.write(checkpoint)
+            await writer.close()
+    except BaseException:
+        if writer is not None:
+            # The run's own error matters more than the last write's.
+            with anyio.CancelScope(shield=True):
+                await writer.abandon()
+        raise
+    finally:
+        if display is not None:
+            display.close()
     return FitResult(
-        model=model,
+        model=core.current_model() if result_model is None else result_model,
         losses=[record.loss for record in history],
-        first_step=session.first_step,
+        first_step=history[0].step,
         skipped_steps=[record.step for record in history if record.skipped],
         checkpoint=checkpoint,
-        stats=stats,
-        trace=session.trace,
+        stats=core.stats,
+        trace=core.trace,
         history=history,
     )
 
@@ -119,6 +168,7 @@ class _FitLoop:
     def __init__(
         self,
         session: Session,
+        core: SessionCore,
         callbacks: Sequence[Any],
         accumulate: int,
         history: list[StepRecord],
@@ -126,6 +176,7 @@ class _FitLoop:
         resume: Checkpoint | None = None,
     ) -> None:
         self.session = session
+        self.core = core
         self.resume = resume
         self.position: tuple[int, int] | None = None
         """``(epoch, batches)`` of data consumed through the last step run (or replayed)."""
@@ -167,9 +218,11 @@ class _FitLoop:
             raise raised
 
     async def _consume(self, items: AsyncIterable[FeedItem], next_epoch: Callable[[], None]) -> None:
-        first_step = self.session.first_step
+        # Resuming, the data's steps count from 0 and those before the session's first are replayed; otherwise
+        # the data's first step is the session's next.
+        first_step = self.core.next_step
+        index = 0 if self.resume is not None else first_step
         group: list[Any] = []
-        index = 0
         in_epoch = 0
         async for item in items:
             match item:
@@ -220,13 +273,13 @@ class _FitLoop:
         due: Checkpoint | None = None
         if held is not None:
             step, epoch, batches, position = held
-            if step == self.session.first_step:
+            if self.resume is not None and step == self.resume.next_step:
                 self._restore_generators()
-            result = await self.session._step(batches, last=last)
+            result = await self.core.step(batches, last=last)
             self.position = position
             self._record(result, epoch)
             if self.writer is not None and self.writer.due(result.step):
-                due = replace(self.session.checkpoint(), data_position=position)
+                due = replace(self.core.checkpoint(), data_position=position)
         try:
             if result is not None:
                 await self.call("on_step_end", self.session, result)
@@ -263,7 +316,7 @@ class _FitLoop:
         if due is None or self.writer is None:
             return
         if generators_now and due.rng_state is not None:
-            due = replace(due, rng_state=self.session._generators())
+            due = replace(due, rng_state=self.core.generators())
         # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran
         # must not cost that step's file; handing it over waits at most for the write before it.
         with anyio.CancelScope(shield=True):

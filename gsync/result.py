@@ -9,7 +9,7 @@ from torch import nn
 from .checkpoint import Checkpoint
 from .trace import Trace
 
-__all__ = ("FitResult", "FitStats", "StepRecord")
+__all__ = ("FitResult", "FitStats", "StepRecord", "StepResult")
 
 
 @dataclass
@@ -63,3 +63,23 @@ class FitResult:
     """The timeline of the fit, when the engine was built with ``trace=True`` (or a ``Trace``, or a file path)."""
     history: list[StepRecord] = field(default_factory=list)
     """One record per step this fit ran: step, epoch, loss, lr, rows, seconds."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step did."""
+
+    step: int
+    """The step's 0-based global index."""
+    loss: float
+    """The global mean loss (over every device of every process; the mean over the batches when accumulating)."""
+    lr: float
+    """The learning rate this step used (the first parameter group's, before the scheduler stepped)."""
+    rows: int
+    """Rows in the step's global batches, over every process."""
+    seconds: float
+    """Wall time of the step, from dispatch until every local replica applied it."""
+    grad_norm: float | None = None
+    """The reduced gradient's total norm before clipping, when ``clip_grad_norm`` is set."""
+    skipped: bool = False
+    """The update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""

@@ -1,182 +1,118 @@
-"""Sessions: gsync's machinery kept alive while your own loop drives the steps.
+"""Sessions: gsync's machinery kept open while your code drives the steps, from any task of the loop.
 
-``async with engine.session(model, ...) as session`` opens everything a fit
-needs (replicas, device actors, the sync server, worker threads and, across
-processes, the process group) as one anyio task group for the life of the
-block; ``await session.step(batch)`` is one optimizer step on every device.
-``fit`` is one such loop.
+``session = await engine.session(model, ...)`` opens everything a fit needs
+(replicas, device actors, the sync server, worker threads and, across
+processes, the process group) and returns a :class:`Session` you can hold:
+step it in one notebook cell, plot in the next, ``fit`` it in a third, and
+``await session.aclose()`` in the last, or in a pytest fixture's teardown.
+``async with engine.session(model, ...) as session`` is the scoped form:
+leaving the block is ``aclose()``. ``Engine.fit`` opens one, runs
+:meth:`Session.fit` and closes it.
 
-What happens when things go wrong, in the terms of structured concurrency:
+The session's task group lives in a task the session owns, started on the
+loop that opened it; so no call depends on which task makes it. What each
+call does when things go wrong:
 
-- A failure while ``step`` waits (a device raised, a collective failed or
-  stalled, a peer process failed) makes ``step`` raise it, as ``fit`` would:
-  ``WorkerFailed``, ``SyncFailed``, ``SyncTimeout``, ``NonFiniteLoss``,
-  ``PeerFailed``, each carrying ``last_step`` and ``checkpoint``.
-- A failure while your code does something else between steps (a peer
-  process failed) cancels your code at its next ``await``, and the
-  ``async with`` raises the same error.
-- An exception in your code ends the session: every task and thread stops,
-  and the exception propagates unchanged.
-- Either way the session is closed afterwards, and using it again raises
-  :class:`~gsync.SessionClosed` saying why. Leaving the block without an
-  error writes the trained weights into the model you passed in; after an
-  error the model is left as it was and the error's checkpoint has the state.
+- A failure while a call waits (a device raised, a collective failed or
+  stalled, a peer process failed or was lost) makes that call raise it:
+  :class:`~gsync.WorkerFailed`, :class:`~gsync.SyncFailed`,
+  :class:`~gsync.SyncTimeout`, :class:`~gsync.NonFiniteLoss`,
+  :class:`~gsync.PeerFailed`, :class:`~gsync.PeerLost`, each with
+  ``last_step`` and ``checkpoint``.
+- A failure while no call runs (a peer lost while you plot) closes the
+  session at once (threads ended, peers told); the next call raises it, or
+  :meth:`Session.aclose` does if no call comes. In the scoped form it also
+  cancels the block's code at its next ``await``, and the ``async with``
+  raises it.
+- Cancelling a call (a notebook interrupt, ``anyio.move_on_after``, a test's
+  timeout) cancels it and closes the session: devices may be inside a step,
+  and across processes the ranks' collectives would no longer match. Later
+  calls raise :class:`~gsync.SessionClosed`, with the checkpoint.
+- An exception of your own that leaves the scoped block, or a callback's in
+  :meth:`Session.fit`, ends the session and propagates unchanged.
+- Whatever closed it, the session is closed afterwards and using it again
+  raises :class:`~gsync.SessionClosed` saying why. A clean close writes the
+  trained weights into the model you passed in; after a failure the model
+  is left as it was and the error's checkpoint has the state.
 """
 
 from __future__ import annotations
 
-import logging
+import asyncio
+import os
+import sys
 import threading
-import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+import warnings
+from collections.abc import AsyncIterable, Generator, Iterable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import torch
 from torch import nn
 
-from ._threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
-from .actor import DeviceActor, MetricFn
-from .assembly import assemble, plan_buckets
-from .batches import batch_rows, shard_rows, split_batch
-from .buffers import BufferSync
-from .checkpoint import Checkpoint, restore_checkpoint_rng
-from .comm.base import Collective
-from .context import ActorContext, Recipe, Shard
-from .distributed import FailureReport, peer_failed
-from .distributed.heartbeat import Whereabouts, locate
-from .distributed.runtime import ProcessGroupRuntime
-from .errors import (
-    SESSION_START,
-    ConfigError,
-    DataFailed,
-    GsyncError,
-    InputTypeError,
-    LostRank,
-    MailboxClosed,
-    PeerFailed,
-    PeerLost,
-    SessionClosed,
-    SyncFailed,
-    SyncTimeout,
-)
-from .feeder import BatchReader, check_batch_source
-from .mailbox import Mailbox
-from .messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
-from .outcome import first_failure, is_cancellation, raised_by_block
-from .rebuild import PlanRebuild
-from .recovery import attach_checkpoint, last_consistent
-from .replicas import build_replicas
-from .rng import capture_rng
-from .result import FitStats
-from .server import SyncServer
-from .streams import StreamSync
-from .topology import Topology
-from .trace import Trace, finish_trace
+from ._session.core import ReduceOp, SessionCore
+from ._session.service import SessionService
+from .actor import MetricFn
+from .checkpoint import Checkpoint
+from .context import Recipe
+from .errors import ConfigError, SessionClosed
+from .fit import FitLoopSettings, run_fit
+from .outcome import is_cancellation
+from .result import FitResult, FitStats, StepResult
+from .trace import Trace
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ("Session", "StepResult", "open_session")
+__all__ = ("Session", "SessionOpener", "StepResult")
 
-# How long teardown waits for worker threads to finish their current job
-# before leaving them (they are daemons and stop at their next phase boundary
-# or gradient hook).
-_THREAD_GRACE_S = 0.5
-# Upper bound on reporting a failure to other ranks and closing a process group.
-_DIST_TEARDOWN_S = 10.0
-# The error type a rank publishes when it leaves its session normally.
-_DEPARTED = "SessionClosed"
-
-ReduceOp = Literal["sum", "mean", "max", "min"]
-logger = logging.getLogger("gsync")
-_T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step did."""
-
-    step: int
-    """The step's 0-based global index."""
-    loss: float
-    """The global mean loss (over every device of every process; the mean over the batches when accumulating)."""
-    lr: float
-    """The learning rate this step used (the first parameter group's, before the scheduler stepped)."""
-    rows: int
-    """Rows in the step's global batches, over every process."""
-    seconds: float
-    """Wall time of the step, from dispatch until every local replica applied it."""
-    grad_norm: float | None = None
-    """The reduced gradient's total norm before clipping, when ``clip_grad_norm`` is set."""
-    skipped: bool = False
-    """The update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""
+# Held services, until they end: the event loop keeps only weak references to its tasks.
+_HELD: set[asyncio.Task[None]] = set()
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class Session:
-    """One open loop of data-parallel training; see :mod:`gsync.session` and :meth:`gsync.Engine.session`.
+    """One open session of data-parallel training; see :mod:`gsync.session` and :meth:`gsync.Engine.session`.
 
-    Build it with ``async with engine.session(...)``, never directly.
+    Get one with ``session = await engine.session(...)`` or ``async with
+    engine.session(...) as session``, never directly. Use it from any task
+    of the event loop that opened it, one call at a time; a call from
+    another thread or another event loop is a :class:`~gsync.ConfigError`.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        model: nn.Module,
-        recipe: Recipe,
-        resume: Checkpoint | None,
-        process_local_data: bool,
-        restore_rng: bool = True,
-    ) -> None:
-        self._engine = engine
-        self.model = model
-        """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
-        self._recipe = recipe
-        self._resume = resume
-        self._restore_rng = restore_rng
-        self._process_local = bool(process_local_data)
-        self.first_step = 0 if resume is None else resume.next_step
-        """The global index of this session's first step (> 0 when resuming)."""
-        self._next_step = self.first_step
-        self._abort = threading.Event()
-        self._open = False
-        self._started = False
-        self._ended = False
-        self._stepping = False
-        self._operations_done = 0
-        self._operation_over: LoopEvent | None = None
-        self._op_scope: anyio.CancelScope | None = None
-        self._failing = False
-        self._settled = anyio.Event()
-        self._checkpoint_attempted: set[int] = set()
-        self._failure: BaseException | None = None
-        self._reported: BaseException | None = None
-        self._peer_left: FailureReport | None = None
-        # What the failure watcher and the heartbeat heard of other ranks, first news first.
-        self._peer_news: list[FailureReport | list[LostRank]] = []
-        self._peer_news_arrived = anyio.Event()
-        self._torn_down = False
-        self._collective_what: str | None = None
-        # Built by _start; teardown copes with any prefix of them.
-        self._loop: LoopHandle | None = None
-        self._setup: WorkerThread | None = None
-        self._runtime: ProcessGroupRuntime | None = None
-        self._actors: list[DeviceActor] = []
-        self._server: SyncServer | None = None
-        self._collective: Collective | None = None
-        self._streams: StreamSync | None = None
-        self._buffers: BufferSync | None = None
-        self._rebuild: PlanRebuild | None = None
-        self._context: ActorContext | None = None
-        self._server_mailbox: Mailbox[ServerMessage] | None = None
-        self._session_mailbox: Mailbox[SessionMessage] | None = None
-        self._topology = Topology(local_devices=len(engine.devices))
-        self.trace: Trace | None = None
-        """The session's timeline, when the engine traces."""
+    def __init__(self, service: SessionService, core: SessionCore, *, scoped: bool) -> None:
+        self._service = service
+        self._core = core
+        self._scoped = scoped
+        self._thread = threading.get_ident()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None  # trio: one run per thread, so the thread check is the loop check
 
-    # -- public ----------------------------------------------------------------
+    # -- what the session holds ------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """A module holding the weights of the last step applied: look at the model between calls.
+
+        A copy of the model you passed in, made the first time you read this
+        (one more model's memory, on the model's own device), refreshed from
+        the first replica each time you read it again after a step (one copy
+        of its parameters and buffers: a device-to-host copy for a CUDA
+        replica, which waits for the device). Read while a step runs (from
+        another task), it holds the weights as of your last read and is
+        refreshed as that step is applied. Training never reads it: put it in
+        eval mode, sample from it, plot it. It is a snapshot, so read
+        ``session.model`` again to see later steps. The model you passed in
+        is left as it was until the session closes cleanly.
+
+        :raises ~gsync.SessionClosed: once the session is closed (after a
+            clean close, the model you passed in holds the trained weights).
+        """
+        self._check_caller()
+        return self._core.current_model()
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -188,60 +124,121 @@ class Session:
         ``evaluate`` returns the same global metrics everywhere). Replicas
         whose optimizers differ would train apart.
 
-        :raises ~gsync.SessionClosed: outside the session's ``async with`` block.
+        :raises ~gsync.SessionClosed: once the session is closed.
         :raises ~gsync.ConfigError: while a step, evaluate or all_reduce runs.
         """
-        self._check_usable("optimizers")
-        return tuple(actor.optimizer for actor in self._actors)
+        self._check_caller()
+        return self._core.optimizers
+
+    @property
+    def first_step(self) -> int:
+        """The global index of this session's first step (> 0 when resuming)."""
+        return self._core.first_step
 
     @property
     def next_step(self) -> int:
         """The global index the next :meth:`step` will have."""
-        return self._next_step
+        return self._core.next_step
 
     @property
     def rank(self) -> int:
         """This process's rank (0 in a one-process run)."""
-        return self._topology.rank
+        return self._core.rank
 
     @property
     def world_size(self) -> int:
         """The number of processes (1 in a one-process run)."""
-        return self._topology.world_size
+        return self._core.world_size
 
     @property
     def stats(self) -> FitStats:
-        server, context = self._server, self._context
-        if server is None or context is None:
-            return FitStats()
-        plan = context.plan
-        return FitStats(
-            steps=server.steps_synced,
-            buckets=len(plan.buckets),
-            bucket_ready_messages=server.bucket_ready_received,
-            bucket_sizes=tuple(b.nbytes for b in plan.buckets),
-            bucket_params=tuple(tuple(plan.names[p] for p in b.params) for b in plan.buckets),
-            rebuilt_buckets=self._rebuild is not None and self._rebuild.rebuilt,
-            reduced_bytes=server.reduced_bytes,
-        )
+        """Counters of this session so far: steps, buckets, messages, bytes reduced."""
+        return self._core.stats
+
+    @property
+    def trace(self) -> Trace | None:
+        """The session's timeline, when the engine traces."""
+        return self._core.trace
+
+    @property
+    def closed(self) -> bool:
+        """Whether the session has ended (closed, failed or dropped): calls raise :class:`~gsync.SessionClosed`."""
+        return self._service.closing
+
+    # -- calls -----------------------------------------------------------------------
 
     async def step(self, *batches: Any) -> StepResult:
         """One optimizer step on every device, over one or more *global* batches.
 
         Each batch is split across all devices of all processes exactly as in
-        ``fit``. With several batches the step accumulates: its gradient is
-        the mean over the batches of each batch's mean-loss gradient, and the
-        backward passes before the last move no bytes. Returns once every
+        :meth:`fit`. With several batches the step accumulates: its gradient
+        is the mean over the batches of each batch's mean-loss gradient, and
+        the backward passes before the last move no bytes. Returns once every
         local replica has applied the step.
 
+        Cancelled midway, the step is abandoned and the session closed (see
+        :mod:`gsync.session`); a bad batch is refused before anything is
+        dispatched, and the session stays open.
+
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for a bad
-            batch (before anything is dispatched), when called from a second
-            task while a step runs, or after the session ended
-            (:class:`~gsync.SessionClosed`).
-        :raises ~gsync.WorkerFailed: and the other errors of ``fit``; the
-            session is closed afterwards.
+            batch (before anything is dispatched), when called while another
+            task's call runs, or from another thread or event loop.
+        :raises ~gsync.SessionClosed: after the session closed.
+        :raises ~gsync.WorkerFailed: and the other errors of :meth:`fit`, or a
+            failure settled since the last call; the session is closed afterwards.
         """
-        return await self._step(batches, last=False)
+        self._check_caller()
+        try:
+            return await self._core.step(batches, last=False)
+        except BaseException as error:
+            await self._closed_by(error)
+            raise
+
+    async def fit(
+        self,
+        data: Iterable[Any] | AsyncIterable[Any],
+        *,
+        epochs: int = 1,
+        accumulate: int = 1,
+        callbacks: Sequence[Any] = (),
+        progress: bool | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        keep: int = 2,
+    ) -> FitResult:
+        """Train on ``data`` from where the session is; ``Engine.fit`` is this call between an open and a close.
+
+        Takes :meth:`gsync.Engine.fit`'s loop arguments, with the same
+        meaning. The optimizer, scheduler and scaler state and the step
+        numbers carry over from the session's earlier steps and fits: two
+        calls of ``session.fit(data)`` end with the parameters of one
+        ``engine.fit(data, epochs=2)``. Each result has the losses and history
+        of its own call; its ``first_step`` is where the call began, and its
+        ``model`` is :attr:`model` as of its last step. In a session opened
+        with ``resume=``, the first fit before any step continues the run the
+        checkpoint came from: ``data`` is replayed and the steps the
+        checkpoint includes are skipped, as ``Engine.fit(resume=...)`` does.
+
+        A :class:`~gsync.StopTraining` from a callback ends the call early,
+        normally, and the session stays open. Cancelling the call, a failure,
+        or any other exception from a callback closes the session (the
+        exception propagates unchanged).
+
+        :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
+            arguments, before any step (the session stays open).
+        :raises ~gsync.WorkerFailed: and the other errors of :meth:`gsync.Engine.fit`.
+        """
+        self._check_caller()
+        settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
+        return await self._fit(data, settings)
+
+    async def _fit(self, data: Iterable[Any] | AsyncIterable[Any], settings: FitLoopSettings, result_model: nn.Module | None = None) -> FitResult:
+        try:
+            return await run_fit(self, self._core, data, settings, result_model)
+        except BaseException as error:
+            # A fit that raised, whatever raised it, leaves the ranks' loops apart: the session ends with it.
+            await self._service.close(error)
+            raise
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
         """Evaluate on every global batch of ``data``, in eval mode and without gradients; global row-weighted means.
@@ -275,80 +272,12 @@ class Session:
         :raises ~gsync.SyncTimeout: when a device's share of a batch takes longer than ``sync_timeout``.
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
-        self._check_usable("evaluate")
-        check_batch_source(data)
-        if metric_fn is not None and not callable(metric_fn):
-            raise InputTypeError("metric_fn must be callable as metric_fn(model, shard) -> scalar or dict of scalars")
-        loss_fn = self._recipe.loss_fn
-
-        def loss(model: nn.Module, shard: Any) -> Any:
-            return loss_fn(model, shard)
-
-        fn = metric_fn if metric_fn is not None else loss
-        failure: BaseException | None = None
+        self._check_caller()
         try:
-            async with self._operation():
-                names, totals = await self._evaluate(data, fn)
-        except BaseExceptionGroup as errors:
-            failure = first_failure(errors)
-        except GsyncError as error:
-            failure = error
-        if failure is not None:
-            raise self._fail(failure)
-        total_rows = float(totals[-1])
-        if total_rows == 0:
-            raise ConfigError("evaluate() got no rows: data yielded nothing")
-        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
-
-    async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
-        """Row-weighted metric sums over every batch and local device, then over every process."""
-        sums: dict[str, float] = {}
-        rows_seen = 0
-        after = self._next_step - 1
-        reader = BatchReader(data, self._loop_handle())
-        # Before the session's first step, a CPU device's first shard makes its first calls into torch's kernels:
-        # one device at a time, as in that step (FirstStepInTurn), until each has had rows to evaluate.
-        in_turn = _built(self._context).first_step is not None and _built(self._server).steps_synced == 0
-        first_calls = set(range(len(self._actors))) if in_turn else set()
-        try:
-            async with aclosing(reader.batches(lambda read: DataFailed(after, site="evaluate", batch=read))) as batches:
-                number = 0
-                async for batch in batches:
-                    rows = batch_rows(batch, f"evaluate's batch {number} (from 0)")
-                    number += 1
-                    counts, shards = self._split_one(batch, rows)
-                    results: list[dict[str, float]] = [{} for _ in self._actors]
-
-                    async def run(index: int, actor: DeviceActor, shard: Any, count: int) -> None:
-                        results[index] = await actor.evaluate(shard, count, fn, after)
-
-                    work = list(enumerate(zip(self._actors, shards, counts)))
-                    with_rows = {index for index, count in enumerate(counts) if count > 0}
-                    if first_calls & with_rows:
-                        first_calls -= with_rows
-                        for index, (actor, shard, count) in work:
-                            await run(index, actor, shard, count)
-                    else:
-                        async with anyio.create_task_group() as group:
-                            for index, (actor, shard, count) in work:
-                                group.start_soon(run, index, actor, shard, count)
-                    for values in results:
-                        for name, value in values.items():
-                            sums[name] = sums.get(name, 0.0) + value
-                    rows_seen += sum(counts)
-        finally:
-            await reader.close()
-        names = sorted(sums)
-        runtime = self._runtime
-        if runtime is not None:
-            # A rank whose devices saw no rows, or a metric whose keys depend on
-            # the data, knows other names: reduce over the union, in one order.
-            local = names
-            names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
-        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
-        if runtime is not None:
-            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
-        return names, totals
+            return await self._core.evaluate(data, metric_fn=metric_fn)
+        except BaseException as error:
+            await self._closed_by(error)
+            raise
 
     async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
         """Combine one value per *process* (not per device) over every process.
@@ -366,35 +295,12 @@ class Session:
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
         """
-        if op not in ("sum", "mean", "max", "min"):
-            raise ConfigError(f"op must be 'sum', 'mean', 'max' or 'min', got {op!r}")
-        is_tensor = isinstance(value, torch.Tensor)
-        if not is_tensor and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise InputTypeError(f"all_reduce takes a number or a tensor, got {type(value).__name__}")
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:
-            raise ConfigError(f"all_reduce reduces an int as int64; {value} does not fit: pass a float, or scale it")
-        if op == "mean" and isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
-            # Averaged as float64: an integer or bool sum would overflow, and a bool sum is an OR on some backends.
-            value = value.to(torch.float64)
-        self._check_usable("all_reduce")
-        runtime = self._runtime
-        if runtime is None:
-            return _reduced_as(value, value, op, 1)
-        if is_tensor:
-            tensor = value.detach().clone()  # type: ignore[union-attr]
-        else:
-            tensor = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
-        failure: GsyncError | None = None
+        self._check_caller()
         try:
-            async with self._operation():
-                reduced = await self._collective_job(
-                    lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op), "all_reduce"
-                )
-        except GsyncError as error:
-            failure = error
-        if failure is not None:
-            raise self._fail(failure)
-        return _reduced_as(value, reduced, op, self.world_size)
+            return await self._core.all_reduce(value, op)
+        except BaseException as error:
+            await self._closed_by(error)
+            raise
 
     def checkpoint(self) -> Checkpoint:
         """The current consistent state as of the last step, copied to the CPU.
@@ -405,589 +311,195 @@ class Session:
 
         :raises ~gsync.ConfigError: while a step runs, or after the session ended.
         """
-        self._check_usable("checkpoint")
-        actor = self._actors[0]
-        checkpoint = Checkpoint.capture(
-            self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
+        self._check_caller()
+        return self._core.checkpoint()
+
+    async def aclose(self) -> None:
+        """Close the session: the model you passed in receives the trained weights; every thread ends. Idempotent.
+
+        After a failure (or a cancelled call) the model is left as it was.
+        A call still running in another task is ended first with
+        :class:`~gsync.SessionClosed`, and the model is left as it was.
+        Closing finishes even if the calling task is cancelled meanwhile.
+
+        :raises ~gsync.PeerLost: or whichever failure ended the session while
+            no call ran, if no call has raised it yet (with ``last_step`` and
+            ``checkpoint``); once: a second ``aclose()`` returns quietly.
+        :raises ~gsync.ConfigError: from another thread or event loop.
+        """
+        self._check_caller(closing=True)
+        await self._service.close()
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        """``async with session:`` on a held session closes it when the block ends, as the scoped form does."""
+        await self._service.close(exc)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"open, next step {self.next_step}"
+        return f"<gsync.Session {state}, opened at {self._service.opened_at}>"
+
+    def __del__(self) -> None:
+        service = getattr(self, "_service", None)
+        if service is None or service.done.is_set() or service.closing or self._scoped:
+            return
+        why = f"the session opened at {service.opened_at} was dropped while open (no reference to it was left)"
+        warnings.warn(
+            f"{why}; it is closed now, and its model is left as it was: `await session.aclose()` when you are done",
+            ResourceWarning,
+            stacklevel=2,
         )
-        # Between steps, the generators are where the next step starts from.
-        return replace(checkpoint, rng_state=self._generators())
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # the loop that ran it has ended, and its tasks with it
 
-    def _generators(self) -> dict[str, Any] | None:
-        """The global random generators' state as a checkpoint keeps it (``None`` across processes)."""
-        if self.world_size > 1:
-            # Each rank's generators are its own and one rank writes the file:
-            # restoring its state on every rank would not continue the run.
-            return None
-        cuda = [spec.torch_device for spec in self._engine.devices if spec.torch_device.type == "cuda"]
-        return capture_rng(cuda)
+        def drop() -> None:
+            service.drop(why)
+            task = asyncio.ensure_future(_log_when_done(service), loop=loop)
+            _HELD.add(task)
+            task.add_done_callback(_HELD.discard)
 
-    # -- the step ----------------------------------------------------------------
+        try:
+            loop.call_soon_threadsafe(drop)
+        except RuntimeError:
+            pass  # the loop closed meanwhile
 
-    async def _step(self, batches: Sequence[Any], last: bool) -> StepResult:
-        self._check_usable("step")
-        if not batches:
-            raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
-        step = self._next_step
-        shards, total_rows = self._split(batches, step)
-        weights = tuple(shard.weight for shard in shards)
-        local_rows = sum(sum(shard.rows) for shard in shards)
-        started = time.perf_counter()
-        async with self._operation():
-            _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last))
-            for actor, shard in zip(self._actors, shards):
-                actor.shards.post(shard)
-            applied = await self._await_applied(step)
-        self._next_step = step + 1
-        return StepResult(
-            step=step,
-            loss=applied.loss,
-            lr=applied.lr,
-            rows=total_rows,
-            seconds=time.perf_counter() - started,
-            grad_norm=applied.grad_norm,
-            skipped=applied.skipped,
-        )
+    async def _closed_by(self, error: BaseException) -> None:
+        """After a call raised ``error``: if that closed the session, wait until everything it started has stopped."""
+        if not self._core.usable:
+            await self._service.close(error)
 
-    def _split(self, batches: Sequence[Any], step: int) -> tuple[list[Shard], int]:
-        """Every local device's shard of the step, after validating every batch; and the step's global rows."""
-        per_device: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in self._actors]
-        global_rows = 0
-        for batch in batches:
-            rows = batch_rows(batch, f"the batch of step {step}")
-            counts, shards = self._split_one(batch, rows)
-            total = rows * self._topology.world_size if self._process_local else rows
-            global_rows += total
-            for (device_rows, totals, data), count, shard in zip(per_device, counts, shards):
-                device_rows.append(count)
-                totals.append(total)
-                data.append(shard)
-        return [Shard(step, tuple(r), tuple(t), tuple(d)) for r, t, d in per_device], global_rows
+    # -- checks ----------------------------------------------------------------------
 
-    def _split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
-        topology = self._topology
-        if self._process_local:
-            # This process's own batch; every process's is as large (checked each step).
-            return shard_rows(rows, topology.local_devices), split_batch(batch, topology.local_devices)
-        return (
-            shard_rows(rows, topology.world_devices)[topology.local_slice],
-            split_batch(batch, topology.world_devices)[topology.local_slice],
-        )
-
-    async def _await_applied(self, step: int) -> StepApplied:
-        mailbox = _built(self._session_mailbox)
-        first: StepApplied | None = None
-        for _ in self._actors:
-            try:
-                message = await mailbox.receive()
-            except MailboxClosed:
-                message = None
-            if message is None:
-                # Closed by _serve once a failure is settled: raise that failure itself.
-                raise self._failure or SessionClosed("the session closed during a step")
-            if message.step != step:
-                raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
-            first = first or message
-        return _built(first)
-
-    # -- state checks ------------------------------------------------------------
-
-    def _check_usable(self, what: str) -> None:
-        if self._failure is not None:
-            raise SessionClosed(
-                f"{what}() on a session that failed ({type(self._failure).__name__}: {self._failure}); "
-                "open a new session, with resume=error.checkpoint to continue"
-            ) from self._failure
-        if not self._open:
-            if self._ended:
-                raise SessionClosed(f"{what}() after the session's async with block ended; open a new session")
-            raise SessionClosed(f"{what}() on a session that is not open: use it inside `async with engine.session(...)`")
-        if self._stepping:
+    def _check_caller(self, closing: bool = False) -> None:
+        if threading.get_ident() != self._thread:
             raise ConfigError(
-                f"{what}() while another task is inside step(), evaluate() or all_reduce() of this session; a "
-                "session does one thing at a time: await each call before the next"
+                "a gsync session is used from the event loop that opened it, in its thread; this call came from "
+                "another thread: hand the work to that loop (asyncio.run_coroutine_threadsafe, anyio.from_thread)"
             )
+        loop = self._loop
+        if loop is not None:
+            try:
+                current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                current = None
+            if current is not loop:
+                if loop.is_closed() and not closing:
+                    raise SessionClosed("the event loop that opened this session has ended, and the session with it")
+                if current is not None or not closing:
+                    raise ConfigError(
+                        "a gsync session is used from the event loop that opened it; this call came from "
+                        + ("another event loop" if current is not None else "outside any event loop")
+                    )
 
-    @asynccontextmanager
-    async def _operation(self) -> AsyncIterator[None]:
-        """One step, evaluate or all_reduce; across processes the ranks' n-th operations meet in collectives.
 
-        - A peer that left its session after ``n`` operations makes this
-          rank's next one, if it is the (n+1)-th or later, raise :class:`~gsync.PeerFailed`.
-        - If the session fails meanwhile (a device, a collective, a peer), the
-          operation is cancelled and raises that failure.
-        - If the caller cancels it midway, the session is closed: devices may
-          be inside the step, and across processes the ranks' collectives
-          would no longer match.
-        """
-        left = self._peer_left
-        if left is not None and self._operations_done >= left.operations:
-            raise self._fail(peer_failed(left))
-        over = self._loop_handle().event()
-        scope = anyio.CancelScope()
-        self._op_scope = scope
-        self._operation_over = over
-        self._stepping = True
-        symptom = False
+async def _log_when_done(service: SessionService) -> None:
+    await service.done.wait()
+    service.log_if_pending()
+
+
+class SessionOpener:
+    """What :meth:`gsync.Engine.session` returns: ``await`` it for a held session, or ``async with`` it for a scoped one."""
+
+    def __init__(
+        self, engine: Engine, model: nn.Module, recipe: Recipe, resume: Checkpoint | None, process_local_data: bool
+    ) -> None:
+        self._engine = engine
+        self._args = (model, recipe, resume, process_local_data)
+        self._opened_at = _caller_location()
+        self._scoped: tuple[anyio.abc.TaskGroup, anyio.CancelScope, Session] | None = None
+
+    def __await__(self) -> Generator[Any, None, Session]:
+        return self._open_held().__await__()
+
+    async def _open_held(self) -> Session:
         try:
-            with scope:
-                yield
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError(
+                "a held session (`session = await engine.session(...)`) needs asyncio; on trio, use the scoped form, "
+                "`async with engine.session(...) as session:`"
+            ) from None
+        service = await self._service()
+        task = loop.create_task(service.run(), name=f"gsync session opened at {self._opened_at}")
+        _HELD.add(task)
+        task.add_done_callback(_HELD.discard)
+        core = await service.wait_open()
+        return Session(service, core, scoped=False)
+
+    async def __aenter__(self) -> Session:
+        if self._scoped is not None:
+            raise ConfigError("this engine.session(...) was entered already; call engine.session(...) again for another")
+        service = await self._service()
+        group = anyio.create_task_group()
+        await group.__aenter__()
+        try:
+            group.start_soon(service.run)
+            core = await service.wait_open()
         except BaseException as error:
-            if not self._failing:
-                if is_cancellation(error):
-                    self._fail(SessionClosed("an operation of this session was cancelled midway, so the session is closed"))
-                raise
-            # A symptom of the failure being settled (a stopped thread, a closed
-            # mailbox): wait for the failure itself and raise it instead.
-            with anyio.CancelScope(shield=True):
-                await self._settled.wait()
-            symptom = True
-        finally:
-            self._stepping = False
-            self._op_scope = None
-            over.set()
-        if symptom or scope.cancelled_caught:
-            raise self._failure or SessionClosed("the session closed during an operation")
-        self._operations_done += 1
-
-    def _fail(self, error: BaseException) -> BaseException:
-        """Close the session for good because of ``error`` (raised by the caller)."""
-        self._abort.set()
-        if self._failure is None:
-            self._failure = error
-            if isinstance(error, GsyncError) and error.checkpoint is None:
-                self._attach_checkpoint(error)
-        return error
-
-    def _loop_handle(self) -> LoopHandle:
-        return _built(self._loop)
-
-    async def _collective_job(self, job: Callable[[], Any], what: str) -> Any:
-        """Run a collective in the communication thread, after anything it already holds, within ``sync_timeout``.
-
-        :raises ~gsync.SyncFailed: when the collective raises (a peer's
-            reported failure, if any, is raised instead: :class:`~gsync.PeerFailed`).
-        :raises ~gsync.SyncTimeout: when it does not complete in time.
-        """
-        server = _built(self._server)
-        timeout = self._engine.sync_timeout
-        step = self._next_step - 1
-        failure: GsyncError | None = None
-        # Stays set if the collective fails: this rank was waiting in it (its heartbeat says so while it blames).
-        self._collective_what = what
-        with anyio.move_on_after(timeout):
-            try:
-                result = await server.comm.run(job)
-            except (GsyncError, FitAborted):
-                raise
-            except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
-                failure = SyncFailed(step, None, site=what)
-                failure.__cause__ = error
+            # The service has ended (wait_open waited for it); what opening raised is raised as itself, not in a group.
+            if is_cancellation(error):
+                await group.__aexit__(type(error), error, error.__traceback__)
             else:
-                self._collective_what = None
-                return result
-        if failure is None:
-            self._abort.set()  # the collective's thread leaves its wait
-            failure = SyncTimeout(step, timeout, site=what)
-        runtime = self._runtime
-        if runtime is not None:
-            blamed = failure
-            failure = await self._in_setup(lambda: runtime.blame_peer(blamed), failure)
-        raise failure
-
-    # -- life: open ----------------------------------------------------------------
-
-    async def _start(self) -> None:
-        engine = self._engine
-        self._loop = loop = LoopHandle()
-        if engine.distributed:
-            # Joining, checks, reports and teardown of a process group all block:
-            # they run in a thread of their own, never on the event loop.
-            self._setup = WorkerThread("gsync-dist", loop)
-            self._runtime = await self._setup.run(
-                lambda: ProcessGroupRuntime.start(
-                    engine.process_group,
-                    engine.store,
-                    engine.devices[0].type,
-                    engine.devices[0].torch_device,
-                    len(engine.devices),
-                    # The transport must not give up before gsync's own deadline for a step.
-                    engine.sync_timeout * engine.devices_in_turn,
-                    self._process_local,
-                    self._abort,
-                )
-            )
-            await self._listen_to_peers()
-        # Planned from the model itself, so a model with nothing to train is refused first.
-        plan = plan_buckets(engine, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
-        replicas = build_replicas(self.model, engine.devices, self._recipe, self._resume)
-        runtime = self._runtime
-        if runtime is not None:
-            await self._start_with_peers(runtime, [r.module for r in replicas])
-        parts = assemble(engine, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local)
-        self._topology = parts.topology
-        self._context = parts.context
-        self._streams = parts.streams
-        self._collective = parts.collective
-        self._buffers = parts.buffers
-        self._server_mailbox = parts.server_mailbox
-        self._session_mailbox = parts.session_mailbox
-        self._actors = parts.actors
-        self._rebuild = parts.rebuild
-        self._server = parts.server
-        self.trace = parts.trace
-        resume = self._resume
-        if resume is not None and resume.rng_state is not None and self._restore_rng:
-            restore_checkpoint_rng(resume)
-        self._open = self._started = True
-        logger.info(
-            "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
-            ", ".join(spec.name for spec in engine.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
-            "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
-        )
-
-    # -- life: serve -----------------------------------------------------------------
-
-    async def _serve(self) -> None:
-        """Run the server, the actors and (across processes) the peer watcher until the session ends.
-
-        A failure is settled here (threads stopped, the failure picked,
-        reported to peers, given its checkpoint); a waiting :meth:`step`
-        then raises it, otherwise it is raised into the task group, which
-        cancels the user's code.
-        """
-        server = _built(self._server)
-        try:
-            async with anyio.create_task_group() as group:
-                if self._runtime is not None:
-                    group.start_soon(self._watch_peers)
-                async with anyio.create_task_group() as work:
-                    work.start_soon(server.run)
-                    for actor in self._actors:
-                        work.start_soon(actor.run)
-                group.cancel_scope.cancel()
-        except BaseExceptionGroup as errors:
-            if is_cancellation(errors):
-                self._settled.set()
-                raise
-            closed_already = self._failure is not None
-            self._failing = True
-            try:
-                failure = await self._settle(errors)
-                self._fail(failure)
-            finally:
-                self._settled.set()
-        else:
-            self._settled.set()
-            return
-        if closed_already:
-            return  # an operation closed the session; its caller already knows
-        if self._stepping and self._op_scope is not None:
-            self._op_scope.cancel()  # the operation raises the failure
-            return
-        raise failure
-
-    async def _watch_peers(self) -> None:
-        """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`.
-
-        A rank that left its session normally is a failure only for a step
-        it never took part in: it is noted, and the next step past it raises.
-        """
-        await self._peer_news_arrived.wait()
-        report = self._peer_news[0]
-        if isinstance(report, list):
-            raise PeerLost(report)
-        if _departure(report) and not (self._stepping and self._operations_done >= report.operations):
-            self._peer_left = report
-            return
-        over = self._operation_over
-        if self._stepping and report.step > self._next_step and over is not None:
-            # The peer failed in a later step than the one this rank is finishing: it took part
-            # in every collective of this one, so this step completes (its update is consistent
-            # everywhere) before the failure ends the session.
-            await over.wait()
-        raise peer_failed(report)
-
-    async def _listen_to_peers(self) -> None:
-        """From now on, hear of other ranks that fail (their reports) or fall silent (their heartbeats).
-
-        :meth:`_watch_peers` acts on the news once the session serves. Until
-        then, news of a failure aborts the session's start: its collectives
-        would otherwise wait for the failed rank until the group's own
-        timeout (30 minutes for a group the user made), then fail with the
-        transport's error.
-        """
-        runtime, setup, loop = _built(self._runtime), _built(self._setup), self._loop_handle()
-
-        def deliver(news: FailureReport | list[LostRank]) -> None:
-            self._peer_news.append(news)
-            self._peer_news_arrived.set()
-            if not self._started and not _departure(news):
-                self._abort.set()  # the start's collectives leave their waits
-
-        runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
-        # Starting the watcher opens a store connection: not on the event loop.
-        await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
-
-    async def _start_with_peers(self, runtime: ProcessGroupRuntime, modules: list[nn.Module]) -> None:
-        """The start's collectives (same parameters, same step, rank 0's state); a peer failing meanwhile is named.
-
-        :raises ~gsync.PeerFailed: when a peer reported a failure (its own
-            start failed: an optimizer factory that raised, a checkpoint's
-            optimizer state that does not fit), or :class:`~gsync.PeerLost`
-            when its heartbeat stopped.
-        :raises ~gsync.SyncFailed: ``site="session start"``, when a collective
-            failed and no peer can be named.
-        :raises ~gsync.ConfigError: on every rank, when they differ in parameters or in the step they resume from.
-        """
-        setup = _built(self._setup)
-        self._collective_what = SESSION_START
-        failure: BaseException
-        try:
-            await setup.run(lambda: runtime.prepare(modules, self.first_step))
-        except FitAborted:
-            # Only news of a peer's failure aborts a start (a cancellation of this rank raises in the await instead).
-            failures = [news for news in self._peer_news if not _departure(news)]
-            if not failures:
-                raise
-            news = failures[0]
-            failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
-        except GsyncError:
+                await group.__aexit__(None, None, None)
             raise
-        except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
-            failed = SyncFailed(self.first_step - 1, None, site=SESSION_START)
-            failed.__cause__ = error
-            # A peer that failed reported before it closed its connections; one that died is named by its silence.
-            failure = await self._in_setup(lambda: runtime.blame_peer(failed), failed)
-        else:
-            self._collective_what = None
-            return
-        raise failure
+        scope = anyio.CancelScope()
+        scope.__enter__()
+        # A failure while the block's code does something else cancels that code; the block then raises it.
+        core.on_idle_failure = scope.cancel
+        session = Session(service, core, scoped=True)
+        self._scoped = (group, scope, session)
+        return session
 
-    def _whereabouts(self) -> Whereabouts:
-        """Where this rank is, for its heartbeat (called from the heartbeat thread)."""
-        last = self._next_step - 1
-        what = self._collective_what
-        if what is not None:
-            return Whereabouts(last, what, waiting=True)
-        if self._failing or self._failure is not None:
-            # Ending because a step or collective failed: a victim, not the rank others wait for.
-            return Whereabouts(last, "ending after a failure", waiting=True)
-        if not self._started:
-            return Whereabouts(last, "starting the session")
-        if not self._stepping:
-            return Whereabouts(last, "outside gsync")
-        return locate(self._actors, last)
-
-    def _stop_serving(self) -> None:
-        """End the data: actors finish what they hold, the server closes them, serving returns."""
-        for actor in self._actors:
-            actor.shards.close()
-        if self._server_mailbox is not None:
-            self._server_mailbox.try_post(Close("end of session"))
-
-    # -- life: close ---------------------------------------------------------------
-
-    async def _teardown(self) -> None:
-        """Stop every actor and thread of the session (not the process group). Idempotent."""
-        if self._torn_down:
-            return
-        self._torn_down = True
-        self._open = False
-        self._abort.set()
-        for actor in self._actors:
-            actor.shards.discard()
-        if self._server_mailbox is not None:
-            self._server_mailbox.discard()
-        # The session mailbox stays open: a step waiting on it learns of a
-        # failure only once the failure is settled (see _serve).
-        workers = []
-        for actor in self._actors:
-            actor.close()
-            actor.mailbox.discard()
-            if actor.worker not in workers:  # CPU devices may share one
-                workers.append(actor.worker)
-        if self._server is not None and self._streams is not None:
-            streams = self._streams
-            # The last job of the communication thread waits for every stream's queued
-            # work (a host sync, so never on the event loop), before replica state is
-            # read and bucket buffers are freed.
-            self._server.comm.submit(lambda: streams.close(timeout=_THREAD_GRACE_S * 10), lambda outcome: None)
-            self._server.close()
-            workers.append(self._server.comm)
-        deadline = time.monotonic() + _THREAD_GRACE_S
-        for worker in workers:
-            await worker.join(max(0.0, deadline - time.monotonic()))
-        if self._collective is not None:
-            self._collective.close()
-
-    async def _settle(self, errors: BaseExceptionGroup[Any]) -> BaseException:
-        """The one exception a failed session raises: threads stopped first, then picked, reported, checkpointed."""
-        await self._teardown()
-        # Devices that failed while the group was already ending had their
-        # tasks cancelled before they could raise; their failures were kept on the actor.
-        late = [actor.failure for actor in self._actors if actor.failure is not None]
-        if self._server is not None and self._server.failure is not None:
-            late.append(self._server.failure)
-        failure = first_failure(errors, late)
-        runtime = self._runtime
-        if runtime is not None and isinstance(failure, GsyncError):
-            # Blame before reporting: a stuck peer that heard this rank's report
-            # would leave its session, and its heartbeat would no longer say
-            # where it was stuck. The blame waits a bounded time (heartbeats),
-            # so two ranks whose collective failed never wait on each other.
-            if isinstance(failure, (SyncFailed, SyncTimeout)):
-                collective_failure = failure
-                failure = await self._in_setup(lambda: runtime.blame_peer(collective_failure), failure)
-            await self._report(failure)
-        if isinstance(failure, GsyncError):
-            self._attach_checkpoint(failure)
-        return failure
-
-    async def _report(self, failure: BaseException) -> None:
-        """Tell the other ranks why this rank's session is ending, unless it was because of them."""
-        runtime = self._runtime
-        if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
-            return
-        if runtime.store_unreachable():
-            return  # a write to a store that does not answer would only hold the teardown up
-        self._reported = failure
-        site = "fit" if self._started else SESSION_START
-        await self._in_setup(lambda: runtime.report(failure, site), None)
-
-    async def _announce_departure(self) -> None:
-        runtime = self._runtime
-        if runtime is None:
-            return
-        last = self._next_step - 1
-        notice = FailureReport(
-            runtime.membership.rank, "", -1, last, "session", _DEPARTED,
-            "this rank started another step (or evaluate, or all_reduce); every rank must run the same loop",
-            operations=self._operations_done,
-        )
-        await self._in_setup(lambda: runtime.board.report(notice), None)
-
-    async def _in_setup(self, job: Callable[[], Any], default: Any) -> Any:
-        """Run a store or group job in the setup thread, bounded and shielded (teardown must finish)."""
-        setup = self._setup
-        if setup is None:
-            return default
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
-            try:
-                return await setup.run(job)
-            except Exception as error:  # noqa: BLE001 - a store gone with a dead host must not hide the failure
-                logger.warning("gsync: talking to the other ranks failed while closing the session: %r", error)
-                return default
-        logger.warning("gsync: talking to the other ranks took over %g s while closing the session", _DIST_TEARDOWN_S)
-        return default
-
-    async def _close(self) -> None:
-        """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
-        self._ended = True
-        with anyio.CancelScope(shield=True):
-            await self._teardown()
-            if self._session_mailbox is not None:
-                self._session_mailbox.discard()
-            if self._runtime is not None:
-                await self._in_setup(self._runtime.close, None)
-            if self._setup is not None:
-                self._setup.stop()
-                await self._setup.join(_THREAD_GRACE_S)
-
-    def _finish(self) -> None:
-        """After a clean end: the model passed in receives the first replica's parameters and buffers."""
-        if self._actors:
-            with torch.no_grad():
-                self.model.load_state_dict(self._actors[0].replica.state_dict())
-
-    def _attach_checkpoint(self, failure: GsyncError) -> None:
-        """Give ``failure`` the most advanced consistent state any replica still holds (tried once per failure)."""
-        if not self._actors or id(failure) in self._checkpoint_attempted:
-            return
-        self._checkpoint_attempted.add(id(failure))
-        attach_checkpoint(failure, lambda busy: last_consistent(
-            self._actors, busy=busy, first_step=self.first_step, model=self.model, resume=self._resume,
-            buffers=self._buffers,
-        ))
-
-
-@asynccontextmanager
-async def open_session(
-    engine: Engine,
-    model: nn.Module,
-    recipe: Recipe,
-    *,
-    resume: Checkpoint | None,
-    process_local_data: bool,
-    restore_rng: bool = True,
-) -> AsyncIterator[Session]:
-    """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
-
-    ``restore_rng=False`` leaves the random generators to the caller (``fit``
-    restores them once it has replayed its data up to the checkpoint).
-    """
-    session = Session(engine, model, recipe, resume, process_local_data, restore_rng)
-    raised: BaseException | None = None
-    try:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        if self._scoped is None:
+            return False
+        group, scope, session = self._scoped
+        ours = scope.__exit__(exc_type, exc, tb) and scope.cancelled_caught
         try:
-            await session._start()
-            async with anyio.create_task_group() as group:
-                group.start_soon(session._serve)
-                try:
-                    yield session
-                except BaseException:
-                    raise  # the group cancels everything: nothing to end gracefully
-                else:
-                    session._stop_serving()
-        except BaseExceptionGroup as errors:
-            raised = raised_by_block(errors, session._failure)
-        except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
-            raised = error
-        if raised is None:
-            if session._failure is None:
-                await session._announce_departure()
-                session._finish()
-            else:
-                # The user caught the failure and left normally: peers still learn of it.
-                await session._report(session._failure)
-        else:
-            if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not session._failure:
-                session._fail(raised)
-            if not session._started:
-                # A start interrupted in its collectives (a cancellation): the report below
-                # queues behind them in the setup thread, which leaves them on the abort flag.
-                session._abort.set()
-            # Whatever ended this rank's block (the user's own exception, a
-            # cancellation), peers learn of it before the group goes down,
-            # instead of waiting in a collective for a rank that has left.
-            await session._report(session._failure if isinstance(raised, SessionClosed) and session._failure else raised)
-    finally:
-        await session._close()
-        # Marks how the session ended, writes Engine(trace=path)'s file, ends `raised`'s message with its path.
-        await finish_trace(session.trace, engine.trace_file, raised, session._failure)
-    if raised is not None:
-        if isinstance(raised, GsyncError):
-            logger.warning("gsync: the session ended with %s: %s", type(raised).__name__, raised)
-        raise raised
+            # The block's own exception (or a cancellation from outside) ends the session as it does the
+            # block; a failure that cancelled the block's code is raised in its place.
+            await session._service.close(None if exc is None or ours else exc)
+        finally:
+            await group.__aexit__(None, None, None)
+        return False
+
+    def __enter__(self) -> None:
+        raise ConfigError(
+            "engine.session(...) is asynchronous: `async with engine.session(...) as session:` "
+            "or `session = await engine.session(...)`, in an async function or a notebook cell"
+        )
+
+    def __exit__(self, *exc: object) -> None:
+        """Never reached: :meth:`__enter__` refuses."""
+
+    async def _service(self) -> SessionService:
+        engine = self._engine
+        open_one = engine._open_service
+        if open_one is not None and not open_one.done.is_set():
+            if not open_one.closing:
+                raise ConfigError(
+                    f"this engine already has an open session (opened at {open_one.opened_at}); "
+                    "`await session.aclose()` it (or `await engine.aclose()`) before opening another"
+                )
+            await open_one.done.wait()  # one that is closing (a dropped session) first ends
+        model, recipe, resume, process_local_data = self._args
+        service = SessionService(engine, model, recipe, resume, process_local_data, self._opened_at)
+        engine._open_service = service
+        return service
 
 
-def _reduced_as(value: float | torch.Tensor, reduced: float | torch.Tensor, op: str, world_size: int) -> float | torch.Tensor:
-    """``all_reduce``'s result for ``value``: its own type, or a float (a floating tensor) for a mean."""
-    if isinstance(value, torch.Tensor):
-        return reduced / world_size if op == "mean" else reduced
-    total = reduced.item() if isinstance(reduced, torch.Tensor) else reduced
-    if op == "mean":
-        return total / world_size  # a Python division: an int64 sum is divided exactly, not in float32
-    return int(total) if isinstance(value, int) else float(total)
-
-
-def _departure(news: FailureReport | list[LostRank]) -> bool:
-    """Whether ``news`` is a rank leaving its session normally (a failure only for the operations it misses)."""
-    return isinstance(news, FailureReport) and news.error_type == _DEPARTED
-
-
-def _built(value: _T | None) -> _T:
-    """A part of the session that exists once it is open."""
-    if value is None:
-        raise SessionClosed("the session is not open: use it inside `async with engine.session(...)`")
-    return value
+def _caller_location() -> str:
+    """``file:line`` of the first frame outside gsync: where the user opened the session."""
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "an unknown place"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"

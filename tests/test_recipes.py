@@ -276,7 +276,7 @@ async def test_fp16_grad_scalers_agree_when_one_device_overflows() -> None:
     engine = gsync.Engine(["cpu:0", "cpu:1"], check_replicas_every=1)
     async with engine.session(TiedNet(), optimizer=sgd, loss_fn=loss_with_inf_grad_on_marked_rows, autocast=torch.float16) as session:
         results = [await session.step(batch) for batch in batches]
-        scales = [actor.scaler.get_scale() for actor in session._actors]  # type: ignore[union-attr]
+        scales = [actor.scaler.get_scale() for actor in session._core._actors]  # type: ignore[union-attr]
         checkpoint = session.checkpoint()
     assert [r.skipped for r in results] == [False, True, False, False]
     assert scales[0] == scales[1] == 65536.0 / 2

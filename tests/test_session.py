@@ -57,7 +57,7 @@ async def test_using_a_session_after_its_block_says_so() -> None:
     engine = gsync.Engine(TWO)
     async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
         await session.step(make_batches(1, 8)[0])
-    with pytest.raises(gsync.SessionClosed, match="after the session's async with block ended"):
+    with pytest.raises(gsync.SessionClosed, match="after the session was closed"):
         await session.step(make_batches(1, 8)[0])
     with pytest.raises(gsync.SessionClosed):
         session.checkpoint()
@@ -158,7 +158,7 @@ async def test_cancelling_a_session_stops_everything_and_the_engine_opens_anothe
 async def test_one_session_or_fit_at_a_time_per_engine() -> None:
     engine = gsync.Engine(TWO)
     async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss):
-        with pytest.raises(gsync.ConfigError, match="already running"):
+        with pytest.raises(gsync.ConfigError, match="already has an open session"):
             await engine.fit(TiedNet(), make_batches(1, 8), optimizer=sgd, loss_fn=classification_loss)
 
 
@@ -179,7 +179,7 @@ async def test_evaluate_gives_global_row_weighted_means_in_eval_mode(num_devices
         metrics = await session.evaluate(val)
         named = await session.evaluate(val, metric_fn=accuracy)
         both = await session.evaluate(iter(val), metric_fn=lambda m, b: {"acc": accuracy(m, b), "loss": classification_loss(m, b)})
-        reference = copy.deepcopy(session._actors[0].replica)
+        reference = copy.deepcopy(session._core._actors[0].replica)
     assert model.training and not model.inp.training and model.norm.training
     reference.eval()
     with torch.no_grad():
@@ -361,8 +361,8 @@ async def test_the_checkpoint_of_a_stalled_evaluation_is_read_from_a_replica_no_
         with pytest.raises(gsync.SyncTimeout) as caught:
             async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
                 await session.step(make_batches(1, 8)[0])
-                expected = copy.deepcopy(session._actors[1].replica.state_dict())
-                stalled = session._actors[0].replica
+                expected = copy.deepcopy(session._core._actors[1].replica.state_dict())
+                stalled = session._core._actors[0].replica
 
                 def scribbles_then_hangs(model: nn.Module, batch: Any) -> torch.Tensor:
                     if model is stalled:  # a metric that writes to the model, then blocks in native code

@@ -1,0 +1,1 @@
+"""A session's insides: the core that steps and fails, the service task that owns its task group, its peers."""

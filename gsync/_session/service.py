@@ -1,0 +1,175 @@
+"""The task that owns a session's task group, so that the session can be held and used from any task.
+
+An anyio task group must be entered and left by one task, but a held
+session is opened in one notebook cell (or fixture setup) and closed in
+another, each its own task. So the session's life, :func:`open_session` with
+its task group, runs in a task of its own, as anyio's pytest plugin runs its
+fixtures in one long-lived task: :class:`SessionService`. Operations do not
+go through it: a step runs in the caller's task and meets the actors through
+their mailboxes, so no call pays a hand-off. The service only waits for the
+session to end (a close, a failure, a drop) and then leaves the task group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ..checkpoint import Checkpoint
+from ..context import Recipe
+from ..errors import SessionClosed
+from ..outcome import is_cancellation
+from .core import SessionCore, open_session
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..engine import Engine
+
+__all__ = ("SessionService",)
+
+logger = logging.getLogger("gsync")
+
+
+class SessionService:
+    """Runs one session's life in the task that calls :meth:`run`; the handle asks it to end."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        model: nn.Module,
+        recipe: Recipe,
+        resume: Checkpoint | None,
+        process_local_data: bool,
+        opened_at: str,
+    ) -> None:
+        self._engine = engine
+        self._model = model
+        self._recipe = recipe
+        self._resume = resume
+        self._process_local_data = process_local_data
+        self.opened_at = opened_at
+        """Where the user opened the session (``file:line``), for the errors and warnings that name it."""
+        self.core: SessionCore | None = None
+        self._opened = anyio.Event()
+        self.done = anyio.Event()
+        """Set once the session is closed and everything it started has stopped."""
+        self._scope = anyio.CancelScope()
+        self._open_error: BaseException | None = None
+        self._end_with: BaseException | None = None
+        self._close_error: BaseException | None = None
+        self.closing = False
+        """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
+
+    async def run(self) -> None:
+        """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
+        try:
+            with self._scope:
+                async with open_session(
+                    self._engine, self._model, self._recipe, resume=self._resume, process_local_data=self._process_local_data
+                ) as core:
+                    self.core = core
+                    self._opened.set()
+                    await core.end_requested.wait()
+                    self.closing = True
+                    if self._end_with is not None:
+                        raise self._end_with  # the session ends as the block of a failed `async with` would
+        except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
+            core = self.core
+            if core is None:
+                self._open_error = error
+            elif error is not self._end_with and error is not core.failure and error is not core.undelivered:
+                if not is_cancellation(error):
+                    self._close_error = error
+            if is_cancellation(error):
+                raise
+        finally:
+            self.closing = True
+            self._opened.set()
+            self.done.set()
+
+    async def wait_open(self) -> SessionCore:
+        """Wait until the session serves, and return its core.
+
+        :raises: what opening raised (a bad argument found while building, a
+            peer's failure, a cancellation of this call: the start is abandoned
+            and everything it started stopped first).
+        """
+        try:
+            await self._opened.wait()
+        except BaseException:
+            self._scope.cancel()
+            with anyio.CancelScope(shield=True):
+                await self.done.wait()
+            raise
+        if self._open_error is not None:
+            error, self._open_error = self._open_error, None
+            raise error
+        if self.core is None:  # the start was abandoned by a cancellation of this service's task
+            raise SessionClosed("the session was cancelled while it opened")
+        return self.core
+
+    async def close(self, error: BaseException | None = None, *, busy_reason: str = "aclose() was called") -> None:
+        """End the session and wait until everything it started has stopped; idempotent.
+
+        Without ``error`` the session ends normally (the model passed in gets
+        the trained weights, unless the session had failed); with one, it ends
+        as a block that raised ``error`` does (peers told, the model left as it
+        was). An operation still running is ended first with
+        :class:`~gsync.SessionClosed`. Shielded: a close that has begun finishes.
+
+        :raises: a failure that nothing has raised yet (one settled while no
+            call ran), unless ``error`` is given: then that failure is logged,
+            since the caller's own exception is what propagates.
+        """
+        core = self.core
+        quiet = error is not None
+        if core is not None and not self.done.is_set():
+            if error is not None and is_cancellation(error):
+                core.cancelled(error)  # closed as failed; peers hear of a cancellation, not of a departure
+                error = None
+            if core.busy:
+                core.close_operation(f"{busy_reason} while another task's step, evaluate or all_reduce ran")
+            if self._end_with is None:
+                self._end_with = error
+            self.closing = True
+            core.end_requested.set()
+        with anyio.CancelScope(shield=True):
+            await self.done.wait()
+        pending = self.take_pending()
+        if pending is None:
+            return
+        if quiet:
+            logger.warning("gsync: the session had failed before it closed: %s: %s", type(pending).__name__, pending)
+            return
+        raise pending
+
+    def take_pending(self) -> BaseException | None:
+        """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""
+        core = self.core
+        if core is not None and core.undelivered is not None:
+            pending, core.undelivered = core.undelivered, None
+            return pending
+        pending, self._close_error = self._close_error, None
+        return pending
+
+    def drop(self, why: str) -> None:
+        """From the loop: end a session nobody holds any more, as a failed block would (the model is not written)."""
+        core = self.core
+        if core is None or self.done.is_set():
+            return
+        if self._end_with is None:
+            self._end_with = SessionClosed(why)
+        self.closing = True
+        core.end_requested.set()
+
+    def log_if_pending(self) -> None:
+        """Once a dropped session has closed: a failure nobody will ever raise is logged instead."""
+        pending = self.take_pending()
+        if pending is not None:
+            logger.warning(
+                "gsync: the session opened at %s failed, and was dropped before any call raised it: %s: %s",
+                self.opened_at, type(pending).__name__, pending,
+            )
