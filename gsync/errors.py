@@ -358,9 +358,10 @@ class DataFailed(FitError):
 
 
 class SessionClosed(ConfigError):
-    """A session was used after its ``async with`` block ended, or after a failure closed it.
+    """A session was used after it was closed, or after a failure (or a cancelled call) closed it.
 
-    The message says which; a failure that closed it is ``__cause__``.
+    The message says which; a failure that closed it is ``__cause__``, and its
+    ``last_step`` and ``checkpoint`` are this error's too.
     """
 
 

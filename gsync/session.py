@@ -425,6 +425,7 @@ class SessionOpener:
                 "`async with engine.session(...) as session:`"
             ) from None
         service = await self._service()
+        service.held = True
         task = loop.create_task(service.run(), name=f"gsync session opened at {self._opened_at}")
         _HELD.add(task)
         task.add_done_callback(_HELD.discard)

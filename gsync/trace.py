@@ -320,9 +320,9 @@ async def finish_trace(
     """At the end of a session: mark how it ended in ``trace`` and, given a ``path``, write the file.
 
     ``raised`` is what the session raises (``None`` when it ends normally);
-    ``failure`` the failure that closed it, if a caller caught that and left
-    normally. The file is written in a thread of its own, shielded from
-    cancellation; a gsync error ``raised`` then ends its message with
+    ``failure`` the failure that closed it, which a call raised or will raise.
+    The file is written in a thread of its own, shielded from
+    cancellation; a gsync error ``raised`` (else ``failure``) then ends its message with
     ``(trace: PATH)``, another exception gets a note. A write that fails is
     logged as a warning and never replaces ``raised``.
     """
@@ -355,8 +355,10 @@ async def finish_trace(
         return
     trace.path = target
     logger.info("gsync: trace written to %s", target)
-    if raised is not None:
-        _name_file(raised, target)
+    ended_by = raised if raised is not None else failure
+    if ended_by is not None:
+        # The failure a call raised (a held session closes after its call has it) names the file as well.
+        _name_file(ended_by, target)
 
 
 def _name_file(error: BaseException, path: Path) -> None:

@@ -403,11 +403,16 @@ class SessionCore:
             # The failure itself, once, with its checkpoint: nothing has raised it yet.
             self.undelivered = None
             raise undelivered
-        if self._failure is not None:
-            raise SessionClosed(
-                f"{what}() on a session that failed ({type(self._failure).__name__}: {self._failure}); "
+        failure = self._failure
+        if failure is not None:
+            closed = SessionClosed(
+                f"{what}() on a session that failed ({type(failure).__name__}: {failure}); "
                 "open a new session, with resume=error.checkpoint to continue"
-            ) from self._failure
+            )
+            # The state to resume from travels with every later refusal, not only with the failure itself.
+            closed.last_step = getattr(failure, "last_step", None)
+            closed.checkpoint = getattr(failure, "checkpoint", None)
+            raise closed from failure
         if not self._open:
             if self._ended:
                 raise SessionClosed(f"{what}() after the session was closed; open a new session")
@@ -505,7 +510,8 @@ class SessionCore:
 
     def current_model(self) -> nn.Module:
         """A module holding the weights of the last step applied (see :attr:`gsync.Session.model`)."""
-        self._check_usable("model")
+        if not (self._stepping and self._failure is None):  # a read while a step runs is refreshed after it
+            self._check_usable("model")
         if self._snapshot is None:
             # Made once: the user's model is left as it was until the session closes.
             self._snapshot = copy.deepcopy(self.model)

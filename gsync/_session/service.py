@@ -13,6 +13,7 @@ session to end (a close, a failure, a drop) and then leaves the task group.
 from __future__ import annotations
 
 import logging
+import warnings
 from typing import TYPE_CHECKING
 
 import anyio
@@ -62,6 +63,8 @@ class SessionService:
         self._close_error: BaseException | None = None
         self.closing = False
         """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
+        self.held = False
+        """Run in a task of its own (``await engine.session(...)``), not in the task group of an ``async with``."""
 
     async def run(self) -> None:
         """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
@@ -84,6 +87,14 @@ class SessionService:
                 if not is_cancellation(error):
                     self._close_error = error
             if is_cancellation(error):
+                if self.held and not self.closing and core is not None:
+                    warnings.warn(
+                        f"the session opened at {self.opened_at} was still open when its task was cancelled (did "
+                        "the event loop end?); it is closed, and its model is left as it was: `await "
+                        "session.aclose()` when you are done",
+                        ResourceWarning,
+                        stacklevel=1,
+                    )
                 raise
         finally:
             self.closing = True
@@ -101,8 +112,7 @@ class SessionService:
             await self._opened.wait()
         except BaseException:
             self._scope.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.done.wait()
+            await self.wait_done()
             raise
         if self._open_error is not None:
             error, self._open_error = self._open_error, None
@@ -136,8 +146,7 @@ class SessionService:
                 self._end_with = error
             self.closing = True
             core.end_requested.set()
-        with anyio.CancelScope(shield=True):
-            await self.done.wait()
+        await self.wait_done()
         pending = self.take_pending()
         if pending is None:
             return
@@ -145,6 +154,24 @@ class SessionService:
             logger.warning("gsync: the session had failed before it closed: %s: %s", type(pending).__name__, pending)
             return
         raise pending
+
+    async def wait_done(self) -> None:
+        """Until the session has stopped everything it started, though the caller is cancelled meanwhile.
+
+        A shield keeps anyio's cancellations out, but on asyncio a task that
+        awaits another task (a notebook cell's, a test's ``create_task``)
+        cancels it natively, once per attempt of its own cancellation: such
+        a cancellation is held until the session is down, then re-raised.
+        """
+        cancelled: BaseException | None = None
+        while not self.done.is_set():
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.done.wait()
+            except anyio.get_cancelled_exc_class() as error:
+                cancelled = error
+        if cancelled is not None:
+            raise cancelled
 
     def take_pending(self) -> BaseException | None:
         """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""

@@ -1,0 +1,318 @@
+"""Held sessions: opened in one task, stepped, fitted and closed from others, as notebook cells and fixtures do."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import gc
+import threading
+import warnings
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import gsync
+import gsync.testing
+from conftest import (
+    TiedNet,
+    assert_no_tasks_left,
+    assert_same_state,
+    classification_loss,
+    gsync_threads,
+    make_batches,
+    sgd,
+    train_reference,
+)
+from gsync.messages import BucketReady
+
+TWO = ["cpu:0", "cpu:1"]
+RECIPE: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)
+
+
+def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+
+
+async def in_a_task(awaitable: Any) -> Any:
+    """Await ``awaitable`` in a task of its own, as a notebook cell or a fixture's setup runs."""
+
+    async def cell() -> Any:
+        return await awaitable
+
+    return await asyncio.get_running_loop().create_task(cell())
+
+
+async def closed_by_itself(session: gsync.Session, timeout: float = 10.0) -> None:
+    """Until the session has ended everything it started (it closes itself after a failure while idle)."""
+    with anyio.fail_after(timeout):
+        await session._service.done.wait()
+
+
+@pytest.mark.asyncio
+async def test_a_session_opened_stepped_and_closed_from_different_tasks_trains_as_a_plain_loop(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(4, 31)
+    expected, expected_losses = train_reference(model, batches)
+    before = copy.deepcopy(model)
+    engine = gsync.Engine(TWO)
+
+    session = await in_a_task(engine.session(model, **RECIPE))  # cell 1
+    first = await in_a_task(session.step(batches[0]))  # cell 2
+    second = await session.step(batches[1])  # cell 3
+    rest = await in_a_task(session.fit(batches[2:], progress=False))  # cell 4
+    assert_same_state(model, before, atol=0)  # nothing is written into the model until the close
+    await in_a_task(session.aclose())  # cell 5
+    await session.aclose()  # idempotent
+
+    assert_same_state(model, expected)
+    assert (first.step, second.step, rest.first_step) == (0, 1, 2)
+    assert [first.loss, second.loss, *rest.losses] == pytest.approx(expected_losses, abs=2e-5)
+    assert gsync_threads() == []
+    assert_no_tasks_left()
+    with pytest.raises(gsync.SessionClosed, match="after the session was closed"):
+        await session.step(batches[0])
+
+
+@pytest.mark.asyncio
+async def test_two_fits_of_a_session_end_exactly_as_one_fit_of_two_epochs(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(6, 19)
+    recipe = dict(RECIPE, scheduler=step_lr, clip_grad_norm=0.5)
+    one = await gsync.Engine(TWO).fit(copy.deepcopy(model), batches, epochs=2, accumulate=2, progress=False, **recipe)
+
+    held = copy.deepcopy(model)
+    session = await gsync.Engine(TWO).session(held, **recipe)
+    first = await session.fit(batches, accumulate=2, progress=False)
+    second = await session.fit(batches, accumulate=2, progress=False)
+    assert session.next_step == 6
+    await session.aclose()
+
+    assert_same_state(held, one.model, atol=0)
+    assert first.losses + second.losses == one.losses
+    assert (first.first_step, second.first_step) == (0, 3)
+    assert [r.step for r in second.history] == [3, 4, 5]
+    assert [r.lr for r in first.history + second.history] == [r.lr for r in one.history]  # the schedule went on
+    assert second.checkpoint is not None and second.checkpoint.step == 5
+
+
+@pytest.mark.asyncio
+async def test_session_model_holds_the_weights_of_the_last_step_and_leaves_the_model_passed_in() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(3, 16)
+    after_one, _ = train_reference(model, batches[:1])
+    after_three, _ = train_reference(model, batches)
+    before = copy.deepcopy(model)
+    session = await gsync.Engine(TWO).session(model, **RECIPE)
+    try:
+        await session.step(batches[0])
+        current = session.model
+        assert current is not model
+        assert_same_state(current, after_one)
+        assert_same_state(model, before, atol=0)
+
+        # Read from another task while a step runs: as of the last read, then refreshed as the step is applied.
+        step = asyncio.get_running_loop().create_task(session.step(batches[1]))
+        while not session._core.busy:
+            await asyncio.sleep(0)
+        assert_same_state(session.model, after_one)
+        await step
+        await session.step(batches[2])
+        assert session.model is current  # one copy for the session's life, refreshed in place
+        assert_same_state(current, after_three)
+    finally:
+        await session.aclose()
+    assert_same_state(model, after_three)
+    with pytest.raises(gsync.SessionClosed):
+        session.model
+
+
+def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
+    """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
+    session._core._server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
+
+
+@pytest.mark.asyncio
+async def test_a_failure_while_no_call_runs_closes_the_session_at_once_and_the_next_call_raises_it(no_leaks: None) -> None:
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    session = await gsync.Engine(TWO).session(model, **RECIPE)
+    await session.step(make_batches(1, 8)[0])
+    post_a_message_the_server_cannot_take(session)
+    await closed_by_itself(session)
+    assert gsync_threads() == []  # closed at once, though nothing called it
+    assert session.closed
+
+    with pytest.raises(gsync.SyncFailed, match="protocol error") as raised:
+        await session.step(make_batches(1, 8)[0])
+    assert raised.value.last_step == 0
+    assert raised.value.checkpoint is not None and raised.value.checkpoint.step == 0
+    with pytest.raises(gsync.SessionClosed, match="failed") as closed:
+        await session.step(make_batches(1, 8)[0])
+    assert closed.value.__cause__ is raised.value
+    await session.aclose()  # the failure was raised already: the close is quiet
+    assert_same_state(model, before, atol=0)
+
+
+@pytest.mark.asyncio
+async def test_a_failure_no_call_has_raised_is_raised_by_aclose_once(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    session = await engine.session(TiedNet(), **RECIPE)
+    await session.step(make_batches(1, 8)[0])
+    post_a_message_the_server_cannot_take(session)
+    await closed_by_itself(session)
+    with pytest.raises(gsync.SyncFailed, match="protocol error") as raised:
+        await session.aclose()
+    assert raised.value.checkpoint is not None
+    await session.aclose()
+    await engine.aclose()
+    reopened = await engine.session(TiedNet(), **RECIPE)  # the engine is free again
+    await reopened.aclose()
+
+
+@pytest.mark.asyncio
+async def test_cancelling_a_call_closes_the_session_and_later_calls_raise_session_closed(no_leaks: None) -> None:
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=1, step=1, site="backward")
+    with gsync.testing.inject(engine, fault):
+        session = await engine.session(model, **RECIPE)
+        await session.step(make_batches(1, 8)[0])
+        with anyio.move_on_after(0.2) as scope:
+            await in_a_task(session.step(make_batches(1, 8)[0]))
+        assert scope.cancelled_caught
+        assert gsync_threads() == []  # stopped by the time the cancellation propagated
+        with pytest.raises(gsync.SessionClosed, match="cancelled midway") as closed:
+            await session.step(make_batches(1, 8)[0])
+        assert closed.value.checkpoint is not None and closed.value.checkpoint.step == 0
+        await session.aclose()
+    assert_same_state(model, before, atol=0)
+    async with engine.session(TiedNet(), **RECIPE) as again:
+        await again.step(make_batches(1, 8)[0])
+
+
+@pytest.mark.asyncio
+async def test_a_second_open_names_the_first_and_engine_aclose_closes_it() -> None:
+    engine = gsync.Engine(TWO)
+    model = TiedNet()
+    first = await engine.session(model, **RECIPE)
+    await first.step(make_batches(1, 8)[0])
+    with pytest.raises(gsync.ConfigError, match=r"already has an open session \(opened at .*test_held_sessions.py:\d+\).*aclose"):
+        await engine.session(TiedNet(), **RECIPE)
+    with pytest.raises(gsync.ConfigError, match="already has an open session"):
+        await engine.fit(TiedNet(), make_batches(1, 8), **RECIPE)
+    assert not first.closed  # refusing the second left the first as it was
+    await first.step(make_batches(1, 8)[0])
+    trained = copy.deepcopy(first.model)
+    await engine.aclose()
+    assert first.closed and gsync_threads() == []
+    assert_same_state(model, trained, atol=0)  # a clean close through the engine writes the weights too
+
+
+@pytest.mark.asyncio
+async def test_a_session_dropped_while_open_warns_where_it_was_opened_and_ends_its_threads(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    session = await engine.session(model, **RECIPE)
+    await session.step(make_batches(1, 8)[0])
+    service = session._service
+    with pytest.warns(ResourceWarning, match=r"opened at .*test_held_sessions.py:\d+ was dropped while open"):
+        del session
+        gc.collect()
+    with anyio.fail_after(10):
+        await service.done.wait()
+    assert gsync_threads() == []
+    assert_same_state(model, before, atol=0)  # never written into silently
+    again = await engine.session(TiedNet(), **RECIPE)
+    await again.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_closed_session_dropped_says_nothing() -> None:
+    session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
+    await session.aclose()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del session
+        gc.collect()
+
+
+@pytest.mark.asyncio
+async def test_a_session_is_used_from_the_thread_of_the_loop_that_opened_it() -> None:
+    session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
+    try:
+        outcomes: list[BaseException] = []
+
+        def from_a_thread() -> None:
+            for call in (session.checkpoint, lambda: asyncio.run(session.step(make_batches(1, 8)[0]))):
+                try:
+                    call()
+                except BaseException as error:  # noqa: BLE001 - the test reads it
+                    outcomes.append(error)
+
+        thread = threading.Thread(target=from_a_thread)
+        thread.start()
+        await anyio.to_thread.run_sync(thread.join)
+        assert [type(error) for error in outcomes] == [gsync.ConfigError, gsync.ConfigError]
+        assert all("another thread" in str(error) for error in outcomes)
+        await session.step(make_batches(1, 8)[0])  # still open: a refused call changes nothing
+    finally:
+        await session.aclose()
+
+
+def test_a_session_outliving_its_event_loop_says_so() -> None:
+    async def open_one() -> gsync.Session:
+        session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
+        await session.step(make_batches(1, 8)[0])
+        return session
+
+    with pytest.warns(ResourceWarning, match=r"opened at .*test_held_sessions.py:\d+ was still open when its task was cancelled"):
+        session = asyncio.run(open_one())  # the loop's end cancels the session's task, and its threads stop
+    assert gsync_threads() == []
+    with pytest.raises(gsync.SessionClosed, match="event loop that opened this session has ended"):
+        asyncio.run(session.step(make_batches(1, 8)[0]))
+
+
+@pytest.mark.asyncio
+async def test_with_instead_of_async_with_says_what_to_write() -> None:
+    engine = gsync.Engine(TWO)
+    with pytest.raises(gsync.ConfigError, match=r"async with engine.session\(...\) as session.*await engine.session"):
+        with engine.session(TiedNet(), **RECIPE):  # type: ignore[attr-defined]
+            pass
+    async with engine.session(TiedNet(), **RECIPE) as session:  # nothing was opened by the refused one
+        await session.step(make_batches(1, 8)[0])
+
+
+@pytest.mark.asyncio
+async def test_a_held_session_resumed_from_a_checkpoint_fits_on_as_the_uninterrupted_run(no_leaks: None) -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    batches = make_batches(6, 16)
+    whole = await gsync.Engine(TWO).fit(copy.deepcopy(model), batches, epochs=2, progress=False, **RECIPE)
+    engine = gsync.Engine(TWO)
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=8, site="backward")):
+        with pytest.raises(gsync.WorkerFailed) as failed:
+            await engine.fit(copy.deepcopy(model), batches, epochs=2, progress=False, **RECIPE)
+    resumed = copy.deepcopy(model)
+    session = await engine.session(resumed, resume=failed.value.checkpoint, **RECIPE)
+    assert session.first_step == 8
+    rest = await session.fit(batches, epochs=2, progress=False)  # replays up to step 7, trains 8..11
+    await session.aclose()
+    assert [r.step for r in rest.history] == [8, 9, 10, 11]
+    assert_same_state(resumed, whole.model, atol=0)
+
+
+@pytest.mark.asyncio
+async def test_async_with_on_a_held_session_closes_it() -> None:
+    model = TiedNet()
+    async with await gsync.Engine(TWO).session(model, **RECIPE) as session:
+        await session.step(make_batches(1, 8)[0])
+        trained = copy.deepcopy(session.model)
+    assert session.closed
+    assert_same_state(model, trained, atol=0)
