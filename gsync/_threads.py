@@ -237,6 +237,11 @@ class WorkerThread:
         # Started by the first job, so building an actor that never runs costs no thread.
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
+    @property
+    def thread(self) -> threading.Thread:
+        """The OS thread this worker runs on (started by its first job)."""
+        return self._thread
+
     def _serve(self) -> None:
         # With hold_reports: reports of jobs that ran back to back, held until the thread runs out of jobs.
         held: list[tuple[Callable[..., object], tuple[object, ...]]] = []

@@ -411,12 +411,15 @@ class SessionOpener:
         self._engine = engine
         self._args = (model, recipe, resume, process_local_data)
         self._opened_at = _caller_location()
-        self._scoped: tuple[anyio.abc.TaskGroup, anyio.CancelScope, Session] | None = None
+        self._entered = self._exiting = self._interrupted = False
+        self._session: Session | None = None
+        self._block_task: asyncio.Task[Any] | None = None
+        self._group: tuple[anyio.abc.TaskGroup, anyio.CancelScope] | None = None
 
     def __await__(self) -> Generator[Any, None, Session]:
         return self._open_held().__await__()
 
-    async def _open_held(self) -> Session:
+    async def _open_held(self, scoped: bool = False) -> Session:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -425,16 +428,37 @@ class SessionOpener:
                 "`async with engine.session(...) as session:`"
             ) from None
         service = await self._service()
-        service.held = True
+        service.held = not scoped
         task = loop.create_task(service.run(), name=f"gsync session opened at {self._opened_at}")
         _HELD.add(task)
         task.add_done_callback(_HELD.discard)
         core = await service.wait_open()
-        return Session(service, core, scoped=False)
+        return Session(service, core, scoped=scoped)
 
     async def __aenter__(self) -> Session:
-        if self._scoped is not None:
+        if self._entered:
             raise ConfigError("this engine.session(...) was entered already; call engine.session(...) again for another")
+        self._entered = True
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return await self._enter_in_a_task_group()
+        # On asyncio the block may end in another task than the one it began in (a pytest-asyncio fixture's
+        # setup and teardown): the session is held, and the block only closes it.
+        session = self._session = await self._open_held(scoped=True)
+        self._block_task = asyncio.current_task()
+        session._core.on_idle_failure = self._interrupt_block
+        return session
+
+    def _interrupt_block(self) -> None:
+        """A failure while the block's code does something else cancels that code; the block then raises it."""
+        task = self._block_task
+        if task is not None and not self._exiting and not task.done():
+            self._interrupted = True
+            task.cancel("gsync: the session failed while the block's code did something else")
+
+    async def _enter_in_a_task_group(self) -> Session:
+        """trio: the block's task runs the session's task group (a trio block begins and ends in one task)."""
         service = await self._service()
         group = anyio.create_task_group()
         await group.__aenter__()
@@ -450,25 +474,41 @@ class SessionOpener:
             raise
         scope = anyio.CancelScope()
         scope.__enter__()
-        # A failure while the block's code does something else cancels that code; the block then raises it.
         core.on_idle_failure = scope.cancel
-        session = Session(service, core, scoped=True)
-        self._scoped = (group, scope, session)
+        self._group = (group, scope)
+        session = self._session = Session(service, core, scoped=True)
         return session
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        if self._scoped is None:
+        self._exiting = True
+        session = self._session
+        if session is None:
             return False
-        group, scope, session = self._scoped
-        ours = scope.__exit__(exc_type, exc, tb) and scope.cancelled_caught
+        if self._group is not None:
+            group, scope = self._group
+            ours = bool(scope.__exit__(exc_type, exc, tb)) and scope.cancelled_caught
+        else:
+            group = None
+            task = self._block_task
+            # Only a cancellation of ours, and no other pending: one from outside still propagates.
+            ours = (
+                self._interrupted
+                and isinstance(exc, asyncio.CancelledError)
+                and task is asyncio.current_task()
+                and task is not None
+                and task.uncancel() == 0
+            )
         try:
             # The block's own exception (or a cancellation from outside) ends the session as it does the
             # block; a failure that cancelled the block's code is raised in its place.
             await session._service.close(None if exc is None or ours else exc)
         finally:
-            await group.__aexit__(None, None, None)
+            if group is not None:
+                await group.__aexit__(None, None, None)
+        if ours:
+            raise session._core.failure or SessionClosed("the session failed while the block's code ran")
         return False
 
     def __enter__(self) -> None:

@@ -25,7 +25,8 @@ Fixtures:
 
 The leak check: a test that passes but leaves a gsync worker thread (named
 ``gsync-*``) or an asyncio task running gsync code behind fails, naming each
-thread and task. It runs when the test's own code has returned, inside the
+thread and task. A session a fixture opened before the test (and closes in
+its teardown) is not the test's: its task and threads are left out. It runs when the test's own code has returned, inside the
 test's event loop for a pytest-asyncio test (so a task that was never awaited
 is seen before the loop's teardown cancels it), after a grace period
 (``gsync_leak_grace``, 1 s) that lets a fit that was cancelled finish
@@ -150,7 +151,8 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if not config.getini("gsync_leak_check") or item.get_closest_marker("gsync_allow_leaks") is not None:
         return (yield)
     grace = float(config.getini("gsync_leak_grace"))
-    before = set(threading.enumerate())
+    # A session a fixture holds (opened before the test, closed after it) starts its threads as the test uses it.
+    before = set(threading.enumerate()) | _threads_of_sessions_open_now()
     with ExitStack() as restore:
         checked_in_loop = _check_inside_the_loop(item, before, grace, restore)
         result = yield
@@ -182,6 +184,13 @@ def _check_inside_the_loop(item: pytest.Item, before: set[threading.Thread], gra
     patch = restore.enter_context(pytest.MonkeyPatch.context())
     patch.setattr(item, "obj", checked)
     return True
+
+
+def _threads_of_sessions_open_now() -> set[threading.Thread]:
+    service = sys.modules.get("gsync._session.service")
+    if service is None:
+        return set()  # gsync was never imported: no session can be open
+    return {thread for session in service.open_services() for thread in session.threads()}
 
 
 def _new_threads(before: set[threading.Thread]) -> list[str]:

@@ -164,3 +164,111 @@ async def test_interrupting_the_kernel_stops_gsync_and_the_next_cell_fits(tmp_pa
     assert "model unchanged: True\n" in printed, printed
     assert "fit again: 16 steps\n" in printed, printed
     assert "threads after: []\n" in printed, printed
+
+
+HELD_SETUP = """
+import copy
+import torch, torch.nn.functional as F
+from torch import nn
+import gsync
+from gsync_pytest import gsync_tasks, gsync_threads
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+start = copy.deepcopy(model)
+batches = [(torch.randn(32, 16), torch.randint(0, 4, (32,))) for _ in range(8)]
+engine = gsync.Engine(["cpu:0", "cpu:1"])
+recipe = dict(optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+"""
+HELD_CELLS = (
+    "session = await engine.session(model, **recipe)",
+    "first = await session.step(batches[0])",
+    "second = await session.step(batches[1])",
+    "fitted = await session.fit(batches[2:], progress=False)",
+    "metrics = await session.evaluate(batches)",
+    "await session.aclose()",
+    """
+plain = copy.deepcopy(start)
+optimizer = recipe["optimizer"](list(plain.parameters()))
+for batch in batches:
+    optimizer.zero_grad()
+    recipe["loss_fn"](plain, batch).backward()
+    optimizer.step()
+gap = max((a - b).abs().max().item() for a, b in zip(model.parameters(), plain.parameters()))
+print("steps:", first.step, second.step, fitted.first_step, len(fitted.losses))
+print("evaluated:", sorted(metrics))
+print("equal to a plain loop:", gap < 1e-5, gap)
+print("threads:", gsync_threads())
+print("tasks:", gsync_tasks())
+""",
+)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_session_held_across_cells_trains_as_a_plain_loop(tmp_path: Path) -> None:
+    cells = [nbformat.v4.new_code_cell(source) for source in (HELD_SETUP, *HELD_CELLS)]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    async with kernel_client(notebook, tmp_path) as client:
+        for index, cell in enumerate(notebook.cells):
+            await client.async_execute_cell(cell, index)  # each cell is its own task in ipykernel
+    printed = text_of(notebook.cells[-1], "stdout")
+    assert "steps: 0 1 2 6\n" in printed, printed
+    assert "evaluated: ['loss']\n" in printed, printed
+    assert "equal to a plain loop: True" in printed, printed
+    assert "threads: []\n" in printed and "tasks: []\n" in printed, printed
+
+
+HELD_LONG_FIT = "result = await session.fit(batches, epochs=6250, callbacks=[Running()], progress=False)"
+HELD_AFTER = """
+print("closed:", session.closed)
+print("threads:", gsync_threads())
+print("tasks:", gsync_tasks())
+try:
+    await session.step(batches[0])
+except gsync.SessionClosed as error:
+    checkpoint = error.checkpoint
+    print("later call:", type(error).__name__, "checkpoint step", checkpoint.step)
+session = await engine.session(model, resume=checkpoint, **recipe)
+epochs = (checkpoint.step + 1) // len(batches) + 1  # the epoch the checkpoint is in, to its end
+more = await session.fit(batches, epochs=epochs, progress=False)
+print("resumed at", more.first_step, "ran", len(more.losses), "of", epochs * len(batches))
+await session.aclose()
+print("threads after:", gsync_threads())
+"""
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_interrupting_a_held_sessions_fit_closes_it_and_the_next_cell_resumes(tmp_path: Path) -> None:
+    setup = SETUP + "\nsession = await engine.session(model, **recipe)\n"
+    cells = [nbformat.v4.new_code_cell(source) for source in (setup, HELD_LONG_FIT, HELD_AFTER)]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    setup_cell, long_fit, after = notebook.cells
+    async with kernel_client(notebook, tmp_path) as client:
+        client.allow_errors = True
+        await client.async_execute_cell(setup_cell, 0)
+        running = asyncio.ensure_future(client.async_execute_cell(long_fit, 1))
+        async with asyncio.timeout(CELL_TIMEOUT_S):
+            while "the fit is running" not in text_of(long_fit, "stdout"):
+                assert not running.done(), long_fit.outputs
+                await asyncio.sleep(0.02)
+        await client.km.interrupt_kernel()
+        async with asyncio.timeout(CELL_TIMEOUT_S):
+            await running
+        client.allow_errors = False
+        await client.async_execute_cell(after, 2)
+
+    errors = [output for output in long_fit.outputs if output.output_type == "error"]
+    assert [error.ename for error in errors] == ["CancelledError"], long_fit.outputs
+    printed = text_of(after, "stdout")
+    # Closed by the time the interrupted cell ends: the cancellation propagates once everything has stopped.
+    assert "closed: True\n" in printed and "threads: []\n" in printed and "tasks: []\n" in printed, printed
+    match = re.search(r"later call: SessionClosed checkpoint step (\d+)", printed)
+    assert match is not None, printed
+    done = int(match.group(1)) + 1
+    # The resumed session's first fit continues the run: it replays the steps the checkpoint has, and trains the rest.
+    resumed = re.search(r"resumed at (\d+) ran (\d+) of (\d+)", printed)
+    assert resumed is not None, printed
+    assert (int(resumed.group(1)), int(resumed.group(2))) == (done, int(resumed.group(3)) - done), printed
+    assert "threads after: []\n" in printed, printed

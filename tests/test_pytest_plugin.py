@@ -302,3 +302,82 @@ async def test_this_suite_uses_the_fixtures_too(gsync_engine: gsync.Engine, gsyn
         await gsync_engine.fit(TiedNet(), make_batches(4, rows=12), optimizer=sgd, loss_fn=classification_loss)
     assert (caught.value.device_index, caught.value.step, caught.value.site) == (2, 1, "backward")
     assert fault.reached.is_set() and caught.value.last_step == 0
+
+
+@pytest.mark.timeout(90)
+def test_sessions_held_by_fixtures_in_both_shapes_and_scopes_pass_the_leak_check(user_project: pytest.Pytester) -> None:
+    user_project.makepyfile(
+        test_fixtures='''
+        import pytest
+        import pytest_asyncio
+        import torch
+        import torch.nn.functional as F
+
+        import gsync
+        from my_project import model_and_data
+
+        RECIPE = dict(
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            loss_fn=lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
+        )
+
+
+        @pytest_asyncio.fixture
+        async def scoped_session(gsync_engine):
+            model, _ = model_and_data()
+            async with gsync_engine.session(model, **RECIPE) as session:
+                yield session
+
+
+        @pytest_asyncio.fixture
+        async def held_session(gsync_engine):
+            model, _ = model_and_data()
+            session = await gsync_engine.session(model, **RECIPE)
+            yield session
+            await session.aclose()
+
+
+        @pytest_asyncio.fixture(loop_scope="module", scope="module")
+        async def module_session():
+            model, _ = model_and_data()
+            session = await gsync.Engine(["cpu:0", "cpu:1"]).session(model, **RECIPE)
+            yield session
+            await session.aclose()
+
+
+        @pytest.mark.asyncio
+        async def test_steps_scoped(scoped_session):
+            _, data = model_and_data()
+            result = await scoped_session.step(data[0])
+            assert result.step == 0 and result.loss > 0
+
+
+        @pytest.mark.asyncio
+        async def test_steps_held(held_session):
+            _, data = model_and_data()
+            assert (await held_session.step(data[0])).step == 0
+
+
+        @pytest.mark.asyncio
+        async def test_fits(held_session):
+            _, data = model_and_data()
+            result = await held_session.fit(data, progress=False)
+            assert [record.step for record in result.history] == list(range(6))
+
+
+        @pytest.mark.asyncio(loop_scope="module")
+        async def test_module_first(module_session):
+            _, data = model_and_data()
+            assert (await module_session.step(data[0])).step == 0
+
+
+        @pytest.mark.asyncio(loop_scope="module")
+        async def test_module_goes_on(module_session):
+            _, data = model_and_data()
+            assert (await module_session.step(data[1])).step == 1  # the same session, one step further
+            assert (await module_session.evaluate(data))["loss"] > 0
+        '''
+    )
+    result = run(user_project)
+    result.assert_outcomes(passed=5)
+    assert "left gsync running" not in result.stdout.str()

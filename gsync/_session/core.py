@@ -530,6 +530,15 @@ class SessionCore:
         with torch.no_grad():
             snapshot.load_state_dict(self._actors[0].replica.state_dict())
 
+    def threads(self) -> list[threading.Thread]:
+        """The session's long-lived threads: the devices', the communication thread and the process group's."""
+        workers = [actor.worker for actor in self._actors]
+        if self._server is not None:
+            workers.append(self._server.comm)
+        if self._setup is not None:
+            workers.append(self._setup)
+        return list({id(worker): worker.thread for worker in workers}.values())
+
     def loop_handle(self) -> LoopHandle:
         """The loop the session runs on, for posting to it from threads."""
         return _built(self._loop)

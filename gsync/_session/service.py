@@ -13,7 +13,9 @@ session to end (a close, a failure, a drop) and then leaves the task group.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING
 
 import anyio
@@ -29,9 +31,15 @@ if TYPE_CHECKING:
 
     from ..engine import Engine
 
-__all__ = ("SessionService",)
+__all__ = ("SessionService", "open_services")
 
 logger = logging.getLogger("gsync")
+_OPEN: weakref.WeakSet[SessionService] = weakref.WeakSet()
+
+
+def open_services() -> list[SessionService]:
+    """Every session of this process that has not ended yet (for the pytest plugin: those a fixture holds)."""
+    return [service for service in list(_OPEN) if not service.done.is_set()]
 
 
 class SessionService:
@@ -65,6 +73,7 @@ class SessionService:
         """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
         self.held = False
         """Run in a task of its own (``await engine.session(...)``), not in the task group of an ``async with``."""
+        _OPEN.add(self)
 
     async def run(self) -> None:
         """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
@@ -172,6 +181,11 @@ class SessionService:
                 cancelled = error
         if cancelled is not None:
             raise cancelled
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads this session runs for its whole life (each started by its first job)."""
+        core = self.core
+        return [] if core is None or self.done.is_set() else core.threads()
 
     def take_pending(self) -> BaseException | None:
         """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""
