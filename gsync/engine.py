@@ -20,7 +20,7 @@ from torch import nn
 
 from ._threads import THREADS_PER_THREAD
 from .checkpoint import Checkpoint
-from .checkpointing import CheckpointSettings, resolve_resume
+from .checkpointing import resolve_resume
 from .comm.compressed import CompressionHook, resolve_compression
 from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHook
 from .devices import DeviceSpec, parse_devices
@@ -217,15 +217,21 @@ class Engine:
         resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
     ) -> SessionOpener:
-        """Open a session for your own training loop: ``async with engine.session(model, ...) as session``.
+        """Open a session for your own loop: ``session = await engine.session(model, ...)``, or ``async with``.
 
-        Inside the block, ``await session.step(batch)`` is one optimizer step
-        on every device (``session.step(b1, ..., bN)`` accumulates N global
-        batches into one step); ``session.evaluate``, ``session.all_reduce``
-        and ``session.checkpoint`` complete the loop. Leaving the block
-        without an error writes the trained weights into ``model``; after a
-        failure (even one caught inside the block) ``model`` is left as it
-        was, and the error's ``checkpoint`` holds the last consistent state.
+        Awaited, it returns an open :class:`gsync.Session` you hold: use it
+        from any task of this event loop (later notebook cells, a pytest
+        fixture's test and teardown), then ``await session.aclose()``. As an
+        async context manager it is the scoped form: ``async with
+        engine.session(model, ...) as session:``, whose end is ``aclose()``
+        (the only form on trio). ``await session.step(batch)`` is one
+        optimizer step on every device (``session.step(b1, ..., bN)``
+        accumulates N global batches into one step); ``session.fit``,
+        ``session.evaluate``, ``session.all_reduce``, ``session.checkpoint``
+        and ``session.model`` complete the loop. A clean close writes the
+        trained weights into ``model``; after a failure (even one caught)
+        ``model`` is left as it was, and the error's ``checkpoint`` holds the
+        last consistent state. One session per engine is open at a time.
 
         The recipe features are the same as :meth:`fit`'s:
 
@@ -243,18 +249,18 @@ class Engine:
           replica (on every process) skips or steps together and the scales
           stay equal.
 
-        The block is one anyio task group, so it lives in one task: enter
-        and leave it in the same task (not across notebook cells, and not
-        from a pytest fixture that yields the session; yield the engine and
-        open the session in the test). A failure raises from ``step``
-        (or, between steps, cancels your code and raises from the ``async
-        with``), with the same errors as :meth:`fit`; the session is closed
-        afterwards. Everything the session started is stopped when the block
-        ends, however it ends, and the engine can open another session.
+        What a failure, a cancellation or a dropped session does is said in
+        :mod:`gsync.session`: a call raises what failed while it ran, a
+        failure while no call runs closes the session and is raised by the
+        next call (or by ``aclose()``; in the scoped form it also cancels the
+        block's code), and a cancelled call closes the session. Everything
+        the session started has stopped once it is closed, and the engine
+        can open another session.
 
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
-            arguments, when entering the block, before anything is built; and
-            when the engine already runs a fit or session.
+            arguments, at this call, before anything is built; when opening
+            while this engine has another session open (naming where it was
+            opened); for ``with`` without ``async``; and for the held form on trio.
         """
         resume = _resolve_resume(resume)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)

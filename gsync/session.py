@@ -45,7 +45,7 @@ import threading
 import warnings
 from collections.abc import AsyncIterable, Generator, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch

@@ -63,3 +63,17 @@ def test_a_stalled_device_times_out_under_trio_naming_it(site: str, what: str, n
 
     assert len(caught) == 1 and caught[0].stalled_devices == ("cpu:1",)
     assert what in str(caught[0])
+
+
+def test_a_held_session_on_trio_is_refused_saying_to_use_async_with(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    seen: dict[str, object] = {}
+
+    async def main() -> None:
+        with pytest.raises(gsync.ConfigError, match=r"needs asyncio; on trio, use the scoped form, `async with engine.session"):
+            await engine.session(Deep(), optimizer=sgd, loss_fn=classification_loss)
+        async with engine.session(Deep(), optimizer=sgd, loss_fn=classification_loss) as session:  # the engine is free
+            seen["step"] = (await session.step(make_batches(1, 8)[0])).step
+
+    anyio.run(main, backend="trio")
+    assert seen["step"] == 0

@@ -89,14 +89,14 @@ class SessionService:
                     if self._end_with is not None:
                         raise self._end_with  # the session ends as the block of a failed `async with` would
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
-            core = self.core
-            if core is None:
+            ended = self.core
+            if ended is None:
                 self._open_error = error
-            elif error is not self._end_with and error is not core.failure and error is not core.undelivered:
+            elif error is not self._end_with and error is not ended.failure and error is not ended.undelivered:
                 if not is_cancellation(error):
                     self._close_error = error
             if is_cancellation(error):
-                if self.held and not self.closing and core is not None:
+                if self.held and not self.closing and ended is not None:
                     warnings.warn(
                         f"the session opened at {self.opened_at} was still open when its task was cancelled (did "
                         "the event loop end?); it is closed, and its model is left as it was: `await "
@@ -191,8 +191,8 @@ class SessionService:
         """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""
         core = self.core
         if core is not None and core.undelivered is not None:
-            pending, core.undelivered = core.undelivered, None
-            return pending
+            undelivered, core.undelivered = core.undelivered, None
+            return undelivered
         pending, self._close_error = self._close_error, None
         return pending
 

@@ -370,3 +370,56 @@ def test_a_start_cancelled_in_its_collectives_ends_at_once() -> None:
     assert cancelled["to_leave"] < 5, cancelled
     assert peer["type"] == "PeerFailed" and peer["rank"] == 0, peer
     assert "rank 0 failed to start its session: CancelledError" in peer["message"], peer
+
+
+def held_session_whose_peer_fails_while_it_is_idle(raised_by: str) -> dict[str, Any]:
+    import anyio
+
+    import gsync
+    import gsync.testing
+    from gsync_pytest import gsync_threads
+
+    rank = int(os.environ["RANK"])
+    engine = gsync.Engine(["cpu"], sync_timeout=20)
+    faults = [gsync.testing.fail(0, 1, "forward", error=RuntimeError("boom on rank 1"))] if rank == 1 else []
+    out: dict[str, Any] = {}
+
+    async def main() -> None:
+        with gsync.testing.inject(engine, *faults):
+            session = await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+            await session.step(make_batches(1, 8)[0])
+            if rank == 1:
+                try:
+                    await session.step(make_batches(1, 8)[0])
+                except gsync.WorkerFailed as error:
+                    out["type"] = type(error).__name__
+                return
+            started = time.monotonic()
+            with anyio.fail_after(20):  # the user's code doing something else; the session closes by itself
+                await session._service.done.wait()
+            out["closed_after"] = time.monotonic() - started
+            out["threads"] = gsync_threads()
+            try:
+                if raised_by == "next call":
+                    await session.step(make_batches(1, 8)[0])
+                else:
+                    await session.aclose()
+            except gsync.GsyncError as error:
+                out["type"] = type(error).__name__
+                out["message"] = str(error)
+                out["checkpoint_step"] = error.checkpoint.step if error.checkpoint is not None else None
+            await session.aclose()  # quiet now: the failure was raised
+
+    asyncio.run(main())
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("raised_by", ["next call", "aclose"])
+def test_a_held_session_whose_peer_fails_while_no_call_runs_closes_and_raises_it_later(raised_by: str) -> None:
+    idle, failed = run_ranks(held_session_whose_peer_fails_while_it_is_idle, 2, args=(raised_by,), timeout=80, check=True)
+    assert failed.value["type"] == "WorkerFailed"
+    assert idle.value["threads"] == []  # closed at once, though no call ran
+    assert idle.value["closed_after"] < 20
+    assert idle.value["type"] == "PeerFailed" and "boom on rank 1" in idle.value["message"], idle.value
+    assert idle.value["checkpoint_step"] == 0
