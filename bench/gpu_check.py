@@ -1,16 +1,24 @@
 """One script to run on a GPU machine: everything we need to know about gsync's CUDA path, in < 8 minutes.
 
-    python bench/gpu_check.py                  # every part, within --budget seconds (default 420)
+    python bench/gpu_check.py                  # every part, within --budget seconds (default 450)
     python bench/gpu_check.py --only tests,exactness
 
 Parts, each in its own subprocess with its own timeout, so a hang or a crash in
-one prints a FAILED line and the next part still runs:
+one prints a FAILED line and the next part still runs; within a part each
+check is guarded and timed on its own:
 
   versions    torch / CUDA / NCCL versions, GPU names
-  tests       python -m pytest -q tests/test_streams.py tests/comm
-  exactness   gsync.Engine(["cuda:0"]) (and ["cuda:0", "cuda:1"]) vs a plain one-GPU loop, 5 SGD+momentum steps
+  tests       python -m pytest -q tests/test_streams.py tests/comm tests/test_readout.py tests/test_cuda_desk_check.py
+  exactness   gsync.Engine(["cuda:0"]) vs a plain one-GPU loop; then recipes (BatchNorm, accumulation,
+              fp16 + GradScaler, clipping, a complex parameter, a model with its own side stream) on 1 GPU
+              (and 2) vs gsync on as many CPU devices (which the CPU suite ties to plain PyTorch); and a
+              checkpoint and resume on CUDA (dropout: the CUDA generator too) vs the same steps straight
   steptime    one GPU: median step time of gsync vs a plain PyTorch loop (MLP 4096 x 8, fp32 and bf16 autocast)
   bandwidth   >= 2 GPUs: NcclCollective vs bare torch.cuda.nccl.all_reduce; on one GPU: host cost per bucket
+
+One GPU checks gsync's streams, events, readouts and a one-device run; NCCL
+between GPUs (complex tensors on the wire, two-device exactness, bandwidth)
+needs two. docs/gpus.md says which result means what.
 
 Every result is also printed as a ``RESULT`` line and repeated in the summary at the end.
 The repository root is put on PYTHONPATH, so gsync need not be installed (the plain loop
@@ -40,12 +48,13 @@ __all__ = ("main",)
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS: dict[str, float] = {  # part -> timeout in seconds; the sum stays under the default budget
-    "versions": 45,
+    "versions": 30,
     "tests": 120,
-    "exactness": 75,
-    "steptime": 120,
-    "bandwidth": 60,
+    "exactness": 140,
+    "steptime": 110,
+    "bandwidth": 45,
 }
+TEST_FILES = ("tests/test_streams.py", "tests/comm", "tests/test_readout.py", "tests/test_cuda_desk_check.py")
 RESULT = "RESULT "
 
 
@@ -135,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--only", default=",".join(PARTS), help="comma-separated parts to run")
-    parser.add_argument("--budget", type=float, default=420.0, help="seconds for the whole run (default 420)")
+    parser.add_argument("--budget", type=float, default=450.0, help="seconds for the whole run (default 450)")
     args = parser.parse_args(argv)
     if args.part:
         PART_FUNCTIONS[args.part]()
@@ -191,7 +200,7 @@ def part_versions() -> None:
 
 
 def part_tests() -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_streams.py", "tests/comm"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *TEST_FILES]
     if importlib.util.find_spec("pytest_asyncio") is None:
         # pyproject's asyncio_* options are unknown without the plugin, and config warnings are errors.
         command[3:3] = ["-W", "ignore::pytest.PytestConfigWarning"]
@@ -231,6 +240,60 @@ def _ce_loss(model: Any, batch: Any) -> Any:
     return F.cross_entropy(model(batch[0]), batch[1])
 
 
+def _recipe_models() -> dict[str, Callable[[], Any]]:
+    """Models for the recipe runs, each built from seed 0 (deep-copied per run, so their devices differ)."""
+    import torch
+    from torch import nn
+
+    side_streams: dict[Any, Any] = {}
+
+    class SideStreamNet(nn.Module):
+        """Part of forward on a stream of its own, as a user's overlap trick would: its gradients' hooks run there."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(32, 256)
+            self.side = nn.Linear(256, 256)
+            self.head = nn.Linear(256, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.first(x))
+            if not x.is_cuda:
+                return self.head(torch.tanh(self.side(h)) + h)
+            current = torch.cuda.current_stream(x.device)
+            stream = side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                s = torch.tanh(self.side(h))
+            current.wait_stream(stream)
+            s.record_stream(current)
+            return self.head(s + h)
+
+    class ComplexNet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(32, 64)
+            self.mix = nn.Parameter(torch.randn(64, dtype=torch.complex64) * 0.5 + 1)
+            self.head = nn.Linear(64, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head((self.first(x) * self.mix).abs())
+
+    def seeded(build: Callable[[], Any]) -> Callable[[], Any]:
+        def make() -> Any:
+            torch.manual_seed(0)
+            return build()
+
+        return make
+
+    return {
+        "batchnorm": seeded(lambda: nn.Sequential(nn.Linear(32, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Linear(256, 10))),
+        "complex": seeded(ComplexNet),
+        "side-stream": seeded(SideStreamNet),
+        "dropout": seeded(lambda: nn.Sequential(nn.Linear(32, 256), nn.Dropout(0.2), nn.Tanh(), nn.Linear(256, 10))),
+    }
+
+
 def part_exactness() -> None:
     import torch
 
@@ -240,9 +303,10 @@ def part_exactness() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     generator = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)) for _ in range(5)]
+    batches = [(torch.randn(64, 32, generator=generator), torch.randint(0, 10, (64,), generator=generator)) for _ in range(6)]
     initial = _exactness_model()
     cached: list[tuple[dict[str, Any], list[float]]] = []
+    gpus = torch.cuda.device_count()
 
     def plain_reference() -> tuple[dict[str, Any], list[float]]:
         if not cached:
@@ -256,20 +320,81 @@ def part_exactness() -> None:
         expected, reference_losses = plain_reference()
         model = copy.deepcopy(initial)
         engine = gsync.Engine(devices, sync_timeout=60)
-        fitted = asyncio.run(engine.fit(model, batches, optimizer=_sgd, loss_fn=_ce_loss))
+        fitted = asyncio.run(engine.fit(model, batches, optimizer=_sgd, loss_fn=_ce_loss, progress=False))
         diff = max((p.detach().cpu() - expected[name]).abs().max().item() for name, p in fitted.model.named_parameters())
         loss_diff = max(abs(a - b) for a, b in zip(fitted.losses, reference_losses))
-        status = "PASS" if diff <= tolerance and len(fitted.losses) == 5 else "FAILED"
+        status = "PASS" if diff <= tolerance and len(fitted.losses) == len(batches) else "FAILED"
         result(
             f"exactness {devices}: {status} max |param diff| = {diff:.3g} (tolerance {tolerance:g}), "
             f"max |loss diff| = {loss_diff:.3g}, steps = {len(fitted.losses)}"
         )
 
+    def fit(devices: list[str], model: Any, data: list[Any], **recipe: Any) -> Any:
+        engine = gsync.Engine(devices, sync_timeout=60)
+        return asyncio.run(
+            engine.fit(copy.deepcopy(model), data, optimizer=_sgd, loss_fn=_ce_loss, progress=False, **recipe)
+        )
+
+    def state_diff(a: Any, b: Any) -> float:
+        theirs = b.state_dict()
+        return max(
+            ((value.detach().cpu() - theirs[name].detach().cpu()).abs().max().item() for name, value in a.state_dict().items()
+             if value.is_floating_point() or value.is_complex()),
+            default=0.0,
+        )
+
+    def recipe_run(label: str, n: int, model: Any, tolerance: float, **recipe: Any) -> None:
+        on_cpu = fit([f"cpu:{i}" for i in range(n)], model, batches, **recipe)
+        on_gpu = fit([f"cuda:{i}" for i in range(n)], model, batches, **recipe)
+        diff = state_diff(on_gpu.model, on_cpu.model)
+        loss_diff = max(abs(a - b) for a, b in zip(on_gpu.losses, on_cpu.losses))
+        same_skips = on_gpu.skipped_steps == on_cpu.skipped_steps
+        ok = diff <= tolerance and len(on_gpu.losses) == len(on_cpu.losses) and same_skips
+        result(
+            f"exactness {label} on {n} GPU(s) vs {n} CPU device(s): {'PASS' if ok else 'FAILED'} max |state diff| = "
+            f"{diff:.3g} (tolerance {tolerance:g}), max |loss diff| = {loss_diff:.3g}, skipped {on_gpu.skipped_steps} "
+            f"(CPU {on_cpu.skipped_steps})"
+        )
+
+    def resume_run() -> None:
+        model = _recipe_models()["dropout"]()
+        # Both runs start from the same generators; the resumed one must take them from the checkpoint.
+        torch.manual_seed(7)
+        straight = fit(["cuda:0"], model, batches)
+        torch.manual_seed(7)
+        first = fit(["cuda:0"], model, batches[:3])
+        torch.manual_seed(8)  # anything else: what the resumed run draws must come from the checkpoint
+        if first.checkpoint is None:
+            raise AssertionError("fit returned no checkpoint")
+        resumed = fit(["cuda:0"], model, batches, resume=first.checkpoint)
+        diff = state_diff(resumed.model, straight.model)
+        loss_diff = max(abs(a - b) for a, b in zip(resumed.losses, straight.losses[3:]))
+        ok = diff <= 1e-6 and resumed.first_step == 3 and len(resumed.losses) == len(batches) - 3
+        result(
+            f"exactness checkpoint and resume on cuda:0 (dropout): {'PASS' if ok else 'FAILED'} max |state diff| vs "
+            f"straight = {diff:.3g}, max |loss diff| = {loss_diff:.3g}, resumed at step {resumed.first_step}"
+        )
+
     guarded("exactness 1 GPU", lambda: check(["cuda:0"], 1e-5))
-    if torch.cuda.device_count() >= 2:
+    if gpus >= 2:
         guarded("exactness 2 GPUs", lambda: check(["cuda:0", "cuda:1"], 1e-4))
     else:
-        result(f"exactness ['cuda:0', 'cuda:1']: SKIPPED ({torch.cuda.device_count()} GPU)")
+        result(f"exactness ['cuda:0', 'cuda:1']: SKIPPED ({gpus} GPU)")
+    models = _recipe_models()
+    recipes: list[tuple[str, Any, float, dict[str, Any]]] = [
+        ("batchnorm", models["batchnorm"](), 1e-4, {}),
+        ("accumulate=2", initial, 1e-4, {"accumulate": 2}),
+        ("clip_grad_norm=0.5", initial, 1e-4, {"clip_grad_norm": 0.5}),
+        ("fp16 + GradScaler", initial, 5e-3, {"autocast": torch.float16}),
+        ("complex parameter", models["complex"](), 1e-4, {}),
+        ("side-stream model", models["side-stream"](), 1e-4, {}),
+    ]
+    for n in [1, 2] if gpus >= 2 else [1]:
+        for label, model, tolerance, recipe in recipes:
+            guarded(f"exactness {label} {n} GPU(s)", lambda l=label, m=model, t=tolerance, r=recipe, k=n: recipe_run(l, k, m, t, **r))  # type: ignore[misc]
+    if gpus < 2:
+        result("exactness recipes on 2 GPUs (NCCL: complex on the wire, BatchNorm buffers broadcast): SKIPPED (1 GPU)")
+    guarded("exactness checkpoint and resume", resume_run)
 
 
 class _Timed:
@@ -373,13 +498,19 @@ def part_bandwidth() -> None:
     count = torch.cuda.device_count()
     devices = [torch.device("cuda", i) for i in range(count)]
 
+    def synchronize() -> None:
+        # torch.cuda.synchronize() waits for the current device only: another device's last bare all-reduce
+        # could still run when gsync's starts on the same communicator, which NCCL leaves undefined.
+        for device in devices:
+            torch.cuda.synchronize(device)
+
     def host_cost() -> None:
         # Per-bucket host time of the stream protocol plus the collective, nothing waited on.
         sync = CudaStreamSync(devices, 1)
         collective = NcclCollective(devices, sync)
         tensors = [torch.ones(1 << 18, device=d) for d in devices]
         weights = [1.0 / count] * count
-        torch.cuda.synchronize()
+        synchronize()
         iterations = 2000
         started = time.perf_counter()
         for _ in range(iterations):
@@ -392,7 +523,7 @@ def part_bandwidth() -> None:
             for device in range(count):
                 sync.before_apply(device)
         host = (time.perf_counter() - started) / iterations
-        torch.cuda.synchronize()
+        synchronize()
         sync.close()
         result(f"bandwidth host cost: {host * 1e6:.1f} us per bucket on {count} GPU(s) (marks, waits, scale, collective launch)")
 
@@ -408,16 +539,16 @@ def part_bandwidth() -> None:
         sync = CudaStreamSync(devices, 1)
         collective = NcclCollective(devices, sync)
         weights = [1.0 / count] * count
-        torch.cuda.synchronize()
+        synchronize()
 
         def timed(step: Callable[[], None], iterations: int = 20) -> float:
             for _ in range(3):
                 step()
-            torch.cuda.synchronize()
+            synchronize()
             started = time.perf_counter()
             for _ in range(iterations):
                 step()
-            torch.cuda.synchronize()
+            synchronize()
             return (time.perf_counter() - started) / iterations
 
         def bare() -> None:

@@ -56,7 +56,7 @@ from .messages import (
     StepApplied,
     StepSynced,
 )
-from .readout import LossReadout
+from .readout import LossReadout, ScalarReadout
 
 __all__ = ("DeviceActor",)
 
@@ -112,7 +112,14 @@ class DeviceActor:
         self._direct = False
         self._one_batch = True
         self._got_grad = bytearray(len(self.params))
-        self._losses = LossReadout(spec.torch_device)
+        self._cuda = spec.torch_device.type == "cuda"
+        self._losses = LossReadout(spec.torch_device, context.abort)
+        self._grad_norm = ScalarReadout(spec.torch_device, context.abort)
+        # Whether the optimizer's step ran in this optimizer job: with a GradScaler, that is whether the step
+        # was skipped, known without GradScaler.get_scale(), a host sync (see _scaled_step).
+        self._optimizer_stepped = False
+        if scaler is not None and hasattr(optimizer, "register_step_post_hook"):
+            optimizer.register_step_post_hook(self._on_optimizer_step)
         self._hooks: list[Any] = []
         self._unhooked: tuple[int, ...] = ()
         self._hooked_final_plan = False
@@ -161,12 +168,45 @@ class DeviceActor:
                 raise FitAborted
             bucket = self.readiness.mark(position)
             if not self._keeps_in_place(position, param.grad):  # type: ignore[arg-type]
+                if self._cuda:
+                    self._before_hook_copy(param.grad)  # type: ignore[arg-type]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             got_grad[position] = 1
             if bucket is not None and self._posting:
                 self._post_ready(bucket, during_backward=True)
 
         return on_grad_ready
+
+    def _before_hook_copy(self, grad: torch.Tensor) -> None:
+        """CUDA, in a gradient hook: order the copy of ``grad`` into its bucket on the hook's stream.
+
+        Autograd runs the hook on the stream of the parameter's gradient
+        accumulation, which for a model that runs part of its forward on a
+        stream of its own is that stream, not the compute stream: it must wait
+        for the last round's reduction and optimizer step before it writes
+        the bucket (``before_write``), and the gradient, which may have been
+        made on yet another stream, must not be reused by that stream's
+        allocator before the copy ran (``record_stream``).
+        """
+        self._context.streams.before_write(self.index)
+        if not grad.is_sparse:
+            grad.record_stream(torch.cuda.current_stream(self.spec.torch_device))
+
+    def _copied_on_compute_stream(self, grads: list[torch.Tensor]) -> None:
+        """CUDA, after a backward: ``grads``, just copied into their buckets on the compute stream, are dropped.
+
+        A gradient made on a side stream belongs to that stream's pool: without
+        ``record_stream`` the allocator could hand its memory to new side-stream
+        work before the compute stream's copy has read it. (For a gradient made
+        on the compute stream itself this is a no-op.)
+        """
+        stream = torch.cuda.current_stream(self.spec.torch_device)
+        for grad in grads:
+            if not grad.is_sparse:
+                grad.record_stream(stream)
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._optimizer_stepped = True
 
     def _buckets_in_place(self) -> list[bool]:
         """Per bucket of the plan: whether a step of one batch leaves its gradients where autograd put them."""
@@ -242,10 +282,12 @@ class DeviceActor:
         arrived = [position for position in self._unhooked if params[position].grad is not None]
         slots: list[torch.Tensor] = []
         fresh: list[torch.Tensor] = []
+        taken: list[torch.Tensor] = []
         for position in arrived:
             grad = params[position].grad
             if self._keeps_in_place(position, grad):  # type: ignore[arg-type]
                 continue
+            taken.append(grad)  # type: ignore[arg-type]
             if grad.is_sparse or got_grad[position] or self._grad_scale != 1.0:  # type: ignore[union-attr]
                 self.grads.take(position, self._grad_scale, add=bool(got_grad[position]))
             else:
@@ -256,6 +298,8 @@ class DeviceActor:
         if slots:
             # One call for the bucket, not one per tensor (each releases and retakes the GIL).
             torch._foreach_copy_(slots, fresh)
+        if self._cuda and taken:
+            self._copied_on_compute_stream(taken)
         for position in arrived:
             bucket = self.readiness.mark(position)
             got_grad[position] = 1
@@ -276,6 +320,8 @@ class DeviceActor:
         views = self.grads.bucket_views(bucket)
         # One call for the bucket, not one per tensor (each releases and retakes the GIL).
         torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        if self._cuda:
+            self._copied_on_compute_stream(grads)  # type: ignore[arg-type]
         for param, view in zip(params, views):
             param.grad = view
         got_grad = self._got_grad
@@ -478,22 +524,23 @@ class DeviceActor:
             self.optimizer_dirty = True
             try:
                 scaler = self.scaler
-                if recipe.clip_grad_norm is not None:
+                max_norm = recipe.clip_grad_norm
+                clipping = max_norm is not None
+                if max_norm is not None:
                     if scaler is not None:
                         scaler.unscale_(self.optimizer)
                     # The reduced gradient is the same on every replica, so every
                     # replica computes the same norm: no collective needed.
-                    norm = torch.nn.utils.clip_grad_norm_(self.params, recipe.clip_grad_norm)
-                    grad_norm = float(norm)
+                    norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+                    # Read once the optimizer step is launched: float(norm) here would wait for the
+                    # reduction before the step is even queued.
+                    self._grad_norm.put(norm)
                 if scaler is not None:
-                    # The reduced (scaled) gradients are identical everywhere,
-                    # so every replica finds the same infs and skips alike.
-                    scale = scaler.get_scale()
-                    scaler.step(self.optimizer)
-                    scaler.update()
-                    skipped = scaler.get_scale() < scale
+                    skipped = self._scaled_step(scaler)
                 else:
                     self.optimizer.step()
+                if clipping:
+                    grad_norm = self._grad_norm.get()
                 # Inside the dirty window: a checkpoint holds the scheduler's
                 # state as of the same step as the parameters'.
                 self._step_scheduler()
@@ -510,6 +557,32 @@ class DeviceActor:
             with torch.no_grad():
                 return applied, float(sum(p.detach().double().sum() for p in self.params))  # type: ignore[arg-type]
         return applied, None
+
+    def _scaled_step(self, scaler: torch.amp.GradScaler) -> bool:
+        """The optimizer step through the GradScaler; returns whether it was skipped (an inf or NaN gradient).
+
+        The reduced (scaled) gradients are identical everywhere, so every
+        replica finds the same infs and skips alike. The scaler calls the
+        optimizer's step only when the gradients are finite, which the
+        optimizer's step hook sees: that answers without
+        ``GradScaler.get_scale()``, a host sync per call, the one after
+        ``update()`` behind the whole optimizer step. (The scaler's own check
+        of its inf flags before the step is a sync too; it is torch's, as in
+        a plain loop.) An optimizer that handles the scaler itself (a fused
+        one: its step runs either way and skips inside) and one without step
+        hooks are asked the old way, by the scale going down.
+        """
+        if getattr(self.optimizer, "_step_supports_amp_scaling", False) or not hasattr(
+            self.optimizer, "register_step_post_hook"
+        ):
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            return scaler.get_scale() < scale
+        self._optimizer_stepped = False
+        scaler.step(self.optimizer)
+        scaler.update()
+        return scaler.is_enabled() and not self._optimizer_stepped
 
     def _evaluate(self, data: Any, rows: int, metric_fn: MetricFn) -> dict[str, float]:
         """``metric_fn`` on this device's shard, in eval mode without gradients; each value times ``rows``."""

@@ -5,6 +5,11 @@ are broadcast to the other replicas, so buffers are identical everywhere after
 each step. Buffers are looked up by owner and name at each sync, so a module
 that reassigns a buffer instead of updating it in place is still followed.
 
+Buffers travel in one flat tensor per real dtype: a complex buffer as its
+real view (``torch.view_as_real``), next to the real buffers of its
+component dtype. Transports have no complex types (NCCL has none at all),
+and a broadcast copies bits, so nothing is lost.
+
 The flat copy each broadcast makes is kept for the last two steps: it is the
 buffers' state as of that step, which a checkpoint needs once the next
 forward has already moved them on.
@@ -33,8 +38,20 @@ def _buffer_slots(module: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return slots
 
 
+def _wire(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` as a transport carries it: itself, or a complex buffer's real view (same memory)."""
+    return torch.view_as_real(buffer) if buffer.is_complex() else buffer
+
+
+def _as_buffer(piece: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A flat ``piece`` of the broadcast, viewed with ``like``'s shape and dtype (complex from its real view)."""
+    if like.is_complex():
+        return torch.view_as_complex(piece.view(*like.shape, 2))
+    return piece.view_as(like)
+
+
 class BufferSync:
-    """Broadcasts each replica's buffers from the first device, one collective per dtype."""
+    """Broadcasts each replica's buffers from the first device, one collective per real dtype."""
 
     def __init__(self, replicas: Sequence[nn.Module]) -> None:
         self._slots = [_buffer_slots(replica) for replica in replicas]
@@ -51,21 +68,20 @@ class BufferSync:
         per_replica = [self._current(i) for i in range(len(self._slots))]
         by_dtype: dict[torch.dtype, list[int]] = {}
         for position, buffer in enumerate(per_replica[0]):
-            by_dtype.setdefault(buffer.dtype, []).append(position)
+            by_dtype.setdefault(_wire(buffer).dtype, []).append(position)
         snapshot: dict[str, torch.Tensor] = {}
         names = [full for full, _, _ in self._slots[0]]
         for positions in by_dtype.values():
-            flats = [torch.cat([buffers[p].reshape(-1) for p in positions]) for buffers in per_replica]
+            flats = [torch.cat([_wire(buffers[p]).reshape(-1) for p in positions]) for buffers in per_replica]
             collective.broadcast(flats)
+            sizes = [_wire(per_replica[0][p]).numel() for p in positions]
             # Every replica takes the result back: on other processes the local
             # first device is not the source either.
             for flat, buffers in zip(flats, per_replica):
-                targets = [buffers[p] for p in positions]
-                for target, source in zip(targets, flat.split([t.numel() for t in targets])):
-                    target.copy_(source.view_as(target))
-            sizes = [per_replica[0][p].numel() for p in positions]
+                for p, source in zip(positions, flat.split(sizes)):
+                    buffers[p].copy_(_as_buffer(source, buffers[p]))
             for p, piece in zip(positions, flats[0].split(sizes)):
-                snapshot[names[p]] = piece.view_as(per_replica[0][p])
+                snapshot[names[p]] = _as_buffer(piece, per_replica[0][p])
         self._snapshots[step] = snapshot
         self._snapshots.pop(step - 2, None)
 

@@ -438,7 +438,17 @@ class _ThreadState(threading.local):
 
 
 class FakeCuda:
-    """Just enough of torch.cuda for CudaStreamSync: per-thread current streams, legacy default streams, events."""
+    """Just enough of torch.cuda for CudaStreamSync: per-thread current streams, legacy default streams, events.
+
+    Device selection follows torch's own Python code, because it decides which
+    devices get a CUDA context: ``torch.cuda.device`` selects its device on
+    entry (``cudaSetDevice``, which creates the device's context) and on exit
+    restores the previous one only where that has a context already
+    (``MaybeSetDevice``); ``torch.cuda.stream`` restores, on exit, the stream
+    that was current on the device current at entry, with ``set_stream``,
+    which selects that device (creating its context). :attr:`contexts` are
+    the devices that got one.
+    """
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -448,6 +458,7 @@ class FakeCuda:
         self.streams: list[FakeStream] = []
         self.synchronized: list[FakeStream] = []
         self.recorded: list[FakeEvent] = []
+        self.contexts: set[int] = set()
 
     def _index(self, device: Any = None) -> int:
         if device is None:
@@ -469,29 +480,44 @@ class FakeCuda:
         self.streams.append(stream)
         return stream
 
+    def _select(self, index: int) -> None:
+        """``cudaSetDevice``: the device gets its context."""
+        with self.lock:
+            self.contexts.add(index)
+        self.local.device = index
+
+    def _set_stream(self, stream: FakeStream) -> None:
+        """``torch.cuda.set_stream``: selects the stream's device, then makes the stream current there."""
+        if stream.index != self.local.device:
+            self._select(stream.index)
+        self.local.streams[stream.index] = stream
+
     @contextmanager
     def device(self, device: Any) -> Iterator[None]:
         previous = self.local.device
-        self.local.device = self._index(device)
+        index = self._index(device)
+        if index != previous:
+            self._select(index)
         try:
             yield
         finally:
+            # MaybeSetDevice: a previous device without a context is remembered as current, not selected.
             self.local.device = previous
 
     @contextmanager
     def stream(self, stream: FakeStream) -> Iterator[None]:
-        previous_device = self.local.device
-        previous = self.local.streams.get(stream.index)
-        self.local.streams[stream.index] = stream
-        self.local.device = stream.index
+        source = self.current_stream()
+        destination = None
+        if source.index != stream.index:
+            with self.device(stream.index):
+                destination = self.current_stream(stream.index)
+        self._set_stream(stream)
         try:
             yield
         finally:
-            if previous is None:
-                del self.local.streams[stream.index]
-            else:
-                self.local.streams[stream.index] = previous
-            self.local.device = previous_device
+            if destination is not None:
+                self._set_stream(destination)
+            self._set_stream(source)
 
     def launch(self, name: str, device: int | None = None) -> Op:
         """A kernel queued by the calling thread on its current stream."""
@@ -665,6 +691,98 @@ def test_cuda_mark_ready_records_on_the_current_stream(fake_cuda: FakeCuda) -> N
         reduce = fake_cuda.launch("reduce")
     assert grad.before(reduce)
     sync.close()
+
+
+def test_cuda_side_stream_bucket_writes_wait_for_the_last_round(fake_cuda: FakeCuda) -> None:
+    """A model that runs part of forward on its own stream gets its gradient hooks run there by autograd: the
+    hook's copy into the bucket must follow the previous step's reduction and optimizer step."""
+    sync = CudaStreamSync(["cuda:0"], 1)
+    side = fake_cuda.new_stream(0)
+
+    def backward() -> Op:
+        with sync.compute_stream(0):
+            fake_cuda.launch("forward")
+            with fake_cuda.stream(side):  # where autograd runs the hook
+                sync.before_write(0)
+                write = fake_cuda.launch("hook copies the gradient into its bucket")
+                sync.mark_ready(0, 0)
+            return write
+
+    def communicate() -> Op:
+        sync.before_reduce(0)
+        with sync.comm_streams():
+            reduce = fake_cuda.launch("reduce", 0)
+        sync.after_reduce(0)
+        return reduce
+
+    def apply() -> Op:
+        with sync.compute_stream(0):
+            sync.before_apply(0)
+            return fake_cuda.launch("optimizer")
+
+    first_write = in_thread(backward)
+    first_reduce = in_thread(communicate)
+    first_apply = in_thread(apply)
+    second_write = in_thread(backward)
+    assert first_write.before(first_reduce)
+    assert first_reduce.before(second_write) and first_apply.before(second_write)
+    # On the compute stream itself the order is the stream's own: no wait recorded.
+    with sync.compute_stream(0):
+        waited = dict(sync.compute_cuda_stream(0).clock)
+        sync.before_write(0)
+        assert sync.compute_cuda_stream(0).clock == waited
+    sync.close()
+
+
+def test_cuda_threads_gsync_owns_get_no_context_on_a_device_they_do_not_use(fake_cuda: FakeCuda) -> None:
+    """A process training on cuda:1 only must not create a CUDA context on cuda:0 (about 0.5 GB each, one per
+    process under torchrun): leaving a stream context in a thread that never chose a device selects device 0."""
+    sync = CudaStreamSync(["cuda:1"], 1)
+
+    def backward() -> None:
+        with sync.compute_stream(0):
+            fake_cuda.launch("gradient")
+            sync.mark_ready(0, 0)
+
+    def communicate() -> None:
+        sync.before_reduce(0)
+        with sync.comm_streams():
+            fake_cuda.launch("reduce")
+        with sync.comm_stream(0):
+            fake_cuda.launch("copy back")
+        sync.after_reduce(0)
+
+    def apply() -> None:
+        with sync.compute_stream(0):
+            sync.before_apply(0)
+            fake_cuda.launch("optimizer")
+
+    for role in (backward, communicate, apply):
+        in_thread(role)
+    assert fake_cuda.contexts == {1}
+    sync.close()
+
+
+def test_a_bare_stream_context_is_what_creates_the_context(fake_cuda: FakeCuda) -> None:
+    """The fake's device bookkeeping does model the failure the test above guards against."""
+    stream = fake_cuda.new_stream(1)
+
+    def bare() -> None:
+        with torch.cuda.stream(stream):  # type: ignore[arg-type]
+            fake_cuda.launch("kernel")
+
+    in_thread(bare)
+    assert fake_cuda.contexts == {0, 1}
+
+
+def test_host_before_write_checks_its_device() -> None:
+    sync = HostStreamSync(2, 1)
+    sync.before_write(1)
+    with pytest.raises(IndexError):
+        sync.before_write(2)
+    sync.close()
+    with pytest.raises(StreamOrderError, match="closed"):
+        sync.before_write(0)
 
 
 def test_cuda_skip_step_and_rebuild(fake_cuda: FakeCuda) -> None:
@@ -865,7 +983,11 @@ def test_nccl_broadcast_and_strided_tensors() -> None:
 def test_nccl_collective_does_not_block_the_host() -> None:
     sync, collective = nccl_pair()
     tensors = [torch.zeros(1 << 20, device=d) for d in sync.devices]
-    torch.cuda.synchronize()
+    # The first reduction over these devices builds the communicators (ncclCommInitAll), which blocks the
+    # host: it must not land in the window timed below, whatever ran before this test.
+    collective.all_reduce(tensors, [1.0] * len(tensors))
+    for device in sync.devices:
+        torch.cuda.synchronize(device)
     for device, tensor in zip(sync.devices, tensors):
         with torch.cuda.device(device):
             long_kernel()  # on the caller's (default) stream, which the collective must wait for

@@ -15,6 +15,10 @@ touches the tensors through streams, which on CUDA is all code.) Symmetrically,
 each operation first makes the comm stream wait for the caller's current
 stream, so inputs the caller wrote on its own stream are visible to it.
 
+NCCL has no complex types: a complex tensor is reduced and broadcast as
+its real view (``torch.view_as_real``, a float tensor of twice the
+elements), which a sum with real weights treats exactly as the complex sum.
+
 The first reduction over a set of devices builds NCCL communicators
 (``ncclCommInitAll``), which blocks the host once; torch caches them per device
 set for the life of the process, so :meth:`NcclCollective.close` has nothing to
@@ -30,9 +34,37 @@ import torch
 import torch.cuda.nccl
 
 from ..errors import ConfigError, GsyncError
-from ..streams.cuda import CudaStreamSync, cuda_devices
+from ..streams.cuda import CudaStreamSync, cuda_devices, on_device
 
-__all__ = ("NcclCollective",)
+__all__ = ("NcclCollective", "prepare_for_nccl")
+
+
+def prepare_for_nccl(tensor: torch.Tensor, weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, wire)``: ``target`` a dense tensor that holds ``tensor`` times ``weight`` (in place when
+    ``tensor`` is dense already), ``wire`` the tensor NCCL moves, which shares ``target``'s memory.
+
+    ``wire`` is ``target`` itself, or for a complex tensor its real view (NCCL
+    has no complex types, "Unconvertible NCCL type ComplexFloat"). A weight of
+    zero gives zeros, never ``inf * 0``; ``None`` (a broadcast) leaves the
+    values alone. A strided tensor is copied once, the weight folded into
+    the copy. Runs on the current stream; the caller copies ``target`` back
+    into a strided ``tensor`` afterwards.
+    """
+    if tensor.is_contiguous():
+        target = tensor
+        if weight == 0:
+            target.zero_()
+        elif weight is not None and weight != 1:
+            target.mul_(weight)
+    elif weight == 0:
+        target = torch.zeros_like(tensor, memory_format=torch.contiguous_format)
+    elif weight is None or weight == 1:
+        target = tensor.contiguous()
+    else:
+        target = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        torch.mul(tensor, weight, out=target)
+    wire = torch.view_as_real(target) if target.is_complex() else target
+    return target, wire
 
 
 class NcclCollective:
@@ -85,20 +117,17 @@ class NcclCollective:
         if tensors[0].numel() == 0:
             return
         self._wait_for_callers()
-        targets = []
+        targets, wires = [], []
         for i, (tensor, weight) in enumerate(zip(tensors, weights)):
-            with torch.cuda.stream(self._comm[i]):
+            with on_device(self._comm[i]):
                 # A strided caller tensor gets a dense copy made on the comm
                 # stream; its memory returns to the comm stream's pool, so
                 # freeing it after this call needs no record_stream.
-                target = tensor if tensor.is_contiguous() else tensor.contiguous()
-                if weight == 0:
-                    target.zero_()
-                elif weight != 1:
-                    target.mul_(weight)
+                target, wire = prepare_for_nccl(tensor, weight)
             targets.append(target)
-        if len(targets) > 1:
-            torch.cuda.nccl.all_reduce(targets, streams=self._comm)
+            wires.append(wire)
+        if len(wires) > 1:
+            torch.cuda.nccl.all_reduce(wires, streams=self._comm)
         self._write_back(tensors, targets)
         self._order_callers()
 
@@ -113,11 +142,13 @@ class NcclCollective:
         if len(tensors) == 1 or tensors[0].numel() == 0:
             return
         self._wait_for_callers()
-        targets = []
+        targets, wires = [], []
         for i, tensor in enumerate(tensors):
-            with torch.cuda.stream(self._comm[i]):
-                targets.append(tensor if tensor.is_contiguous() else tensor.contiguous())
-        torch.cuda.nccl.broadcast(targets, root=0, streams=self._comm)
+            with on_device(self._comm[i]):
+                target, wire = prepare_for_nccl(tensor)
+            targets.append(target)
+            wires.append(wire)
+        torch.cuda.nccl.broadcast(wires, root=0, streams=self._comm)
         self._write_back(tensors, targets)
         self._order_callers()
 
@@ -142,7 +173,7 @@ class NcclCollective:
     def _write_back(self, tensors: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:
         for i, (tensor, target) in enumerate(zip(tensors, targets)):
             if target is not tensor:
-                with torch.cuda.stream(self._comm[i]):
+                with on_device(self._comm[i]):
                     tensor.copy_(target)
 
     def _check(self, tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> None:

@@ -5,12 +5,23 @@ engine calls them from its own threads: setup and teardown from a dedicated
 ``gsync-dist`` worker thread, the per-step agreement from the communication
 thread, right after that step's bucket reductions, so every rank issues the
 same collectives in the same order.
+
+On an NCCL group the small host-side collectives (the per-step agreement,
+``all_reduce`` of CPU values) run on a gloo group over the same ranks
+instead. On NCCL they would go through the GPU and back: ``.cpu()`` of the
+result waits for the stream, so every step would drain the pipeline behind
+the step's gradient reductions, and the host would block where the run's
+abort flag cannot reach it (behind a reduction a dead peer never completes,
+until ProcessGroupNCCL's watchdog kills the process). On gloo they wait on
+the host in slices that read the abort flag (:mod:`gsync.distributed.waiting`),
+for nothing but the other ranks' hosts.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -30,6 +41,7 @@ from .agreement import (
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
 from .heartbeat import Heartbeat, Whereabouts
 from .membership import GroupMembership, join
+from .waiting import wait_work
 
 __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 
@@ -43,13 +55,89 @@ _GROUP_TIMEOUT_MARGIN_S = 30.0
 # collective that failed on a closed connection finds it at once.
 _PEER_REPORT_GRACE_S = 0.5
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def host_group(membership: GroupMembership, timeout_s: float) -> dist.ProcessGroupGloo | None:
+    """For a membership whose collectives run on CUDA (NCCL), a gloo group over the same ranks; else ``None``.
+
+    Collective: every rank of the membership calls it, and it blocks until
+    all have (up to ``timeout_s``). Its rendezvous keys live under the
+    membership's namespace, so they are this run's alone.
+    """
+    if membership.device.type != "cuda":
+        return None
+    store = dist.PrefixStore(f"{membership.namespace}/host-group", membership.store)
+    return dist.ProcessGroupGloo(store, membership.rank, membership.world_size, timedelta(seconds=timeout_s))
+
+
+def host_all_reduce(
+    group: dist.ProcessGroupGloo, values: torch.Tensor, op: str, abort: threading.Event | None
+) -> torch.Tensor:
+    """``values`` (a CPU tensor) reduced in place over ``group`` with ``op``; returns it. Collective.
+
+    :raises ~gsync._threads.FitAborted: when ``abort`` is set while waiting.
+    :raises RuntimeError: (from gloo) when a peer is gone or the group timed out.
+    """
+    options = dist.AllreduceOptions()
+    options.reduceOp = _REDUCE_OPS[op]  # type: ignore[assignment]  # the stubs call the members RedOpType
+    # A bare gloo backend, not a registered ProcessGroup: its own allreduce (which the stubs do not list).
+    wait_work(group.allreduce([values], options), abort, blocking=True)  # type: ignore[attr-defined]
+    return values
+
+
+def agree_over(
+    all_reduce: Callable[[torch.Tensor], torch.Tensor],
+    world_size: int,
+    num_params: int,
+    facts: StepFacts,
+    process_local_rows: bool,
+) -> AgreedStep:
+    """One step's agreement over ``world_size`` ranks, whose sum of a CPU float64 tensor is ``all_reduce``.
+
+    See :meth:`ProcessGroupRuntime.agree_step`.
+    """
+    step = facts.step
+    values = torch.ones(num_params + 5, dtype=torch.float64)
+    if facts.unused:
+        values[list(facts.unused)] = 0.0
+    rows = facts.rows if process_local_rows else 0
+    tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0]
+    values[num_params:] = torch.tensor(tail, dtype=torch.float64)
+    values = all_reduce(values)
+    if process_local_rows:
+        total, squares = float(values[num_params + 1]), float(values[num_params + 2])
+        # Equal sizes exactly when the sum of squares is world * mean^2.
+        if abs(total * total - world_size * squares) > 0.5:
+            raise ConfigError(
+                f"ranks fed batches of different sizes at step {step} (mean {total / world_size:g} rows); with "
+                "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
+            )
+    ending = int(values[num_params + 4])
+    if 0 < ending < world_size:
+        raise ConfigError(
+            f"{ending} of {world_size} ranks have no data after step {step} while the others "
+            "do: every rank must run the same number of steps (same data length and epochs; with "
+            "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
+        )
+    unused = tuple(int(p) for p in torch.nonzero(values[:num_params] == 0).flatten().tolist())
+    return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]))
+
 
 class ProcessGroupRuntime:
-    def __init__(self, membership: GroupMembership, topology: Topology, heartbeat: Heartbeat) -> None:
+    def __init__(
+        self,
+        membership: GroupMembership,
+        topology: Topology,
+        heartbeat: Heartbeat,
+        host: dist.ProcessGroupGloo | None = None,
+    ) -> None:
         self.membership = membership
         self.topology = topology
         self.board = FailureBoard(membership)
         self.heartbeat = heartbeat
+        self.host = host
+        """The gloo group of an NCCL run's host-side collectives (see :func:`host_group`); ``None`` on gloo."""
 
     @classmethod
     def start(
@@ -87,6 +175,7 @@ class ProcessGroupRuntime:
             # Beating starts before the first collective, so once it completes
             # every rank's first beat is in the store.
             heartbeat.start()
+            host = host_group(membership, step_timeout + _GROUP_TIMEOUT_MARGIN_S)
             topology = gather_topology(membership, local_devices)
             if process_local_data and topology.world_devices != local_devices * topology.world_size:
                 raise ConfigError(
@@ -98,7 +187,7 @@ class ProcessGroupRuntime:
             heartbeat.stop()
             membership.close()
             raise
-        return cls(membership, topology, heartbeat)
+        return cls(membership, topology, heartbeat, host)
 
     def prepare(self, replicas: Sequence[nn.Module], first_step: int) -> None:
         """Check every rank trains the same parameters from the same step, and start every replica from rank 0's
@@ -129,38 +218,21 @@ class ProcessGroupRuntime:
             different sizes, or their data ends at different steps
             (``facts.last``: this rank has no further step).
         """
-        step = facts.step
-        values = torch.ones(num_params + 5, dtype=torch.float64)
-        if facts.unused:
-            values[list(facts.unused)] = 0.0
-        rows = facts.rows if process_local_rows else 0
-        tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0]
-        values[num_params:] = torch.tensor(tail, dtype=torch.float64)
-        values = values.to(self.membership.device)
-        self.membership.wait(dist.all_reduce(values, group=self.membership.group, async_op=True))
-        values = values.cpu()
-        if process_local_rows:
-            world = self.membership.world_size
-            total, squares = float(values[num_params + 1]), float(values[num_params + 2])
-            # Equal sizes exactly when the sum of squares is world * mean^2.
-            if abs(total * total - world * squares) > 0.5:
-                raise ConfigError(
-                    f"ranks fed batches of different sizes at step {step} (mean {total / world:g} rows); with "
-                    "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
-                )
-        ending = int(values[num_params + 4])
-        if 0 < ending < self.membership.world_size:
-            raise ConfigError(
-                f"{ending} of {self.membership.world_size} ranks have no data after step {step} while the others "
-                "do: every rank must run the same number of steps (same data length and epochs; with "
-                "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
-            )
-        unused = tuple(int(p) for p in torch.nonzero(values[:num_params] == 0).flatten().tolist())
-        return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]))
+        return agree_over(self._sum_on_host, self.membership.world_size, num_params, facts, process_local_rows)
+
+    def _sum_on_host(self, values: torch.Tensor) -> torch.Tensor:
+        if self.host is not None:
+            return host_all_reduce(self.host, values, "sum", self.membership.abort)
+        return self.all_reduce(values, "sum")
 
     def all_reduce(self, values: torch.Tensor, op: str) -> torch.Tensor:
-        """``values`` reduced over every rank with ``op`` (``"sum"``, ``"max"``, ``"min"``). Collective."""
-        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        """``values`` reduced over every rank with ``op`` (``"sum"``, ``"max"``, ``"min"``). Collective.
+
+        CPU values of an NCCL run go over :attr:`host` (see the module docstring).
+        """
+        if self.host is not None and values.device.type == "cpu":
+            return host_all_reduce(self.host, values.clone(memory_format=torch.contiguous_format), op, self.membership.abort)
+        reduce_op = _REDUCE_OPS[op]
         moved = values.to(self.membership.device)
         self.membership.wait(dist.all_reduce(moved, op=reduce_op, group=self.membership.group, async_op=True))
         return moved.to(values.device)
@@ -260,6 +332,9 @@ class ProcessGroupRuntime:
         self.heartbeat.stop()
         # Waking the watcher is a store write: not to a store that does not answer.
         self.board.stop(wake=not unreachable)
+        # Dropped here, in the thread that closes: gloo's teardown waits for its in-flight work, as the
+        # membership's does.
+        self.host = None
         self.membership.close()
 
 

@@ -23,7 +23,8 @@ the GPU.
 The contract, per device and per step (a *round*):
 
 1. ``mark_ready(device, bucket)`` once per bucket, in the thread where that
-   bucket's gradients became final, *before* ``BucketReady`` is posted.
+   bucket's gradients became final, *before* ``BucketReady`` is posted; a
+   gradient hook calls ``before_write(device)`` before it writes a bucket.
 2. ``before_reduce(bucket)`` in the communication thread once every device
    marked the bucket, before the bucket's collective is enqueued;
    ``after_reduce(bucket)`` right after it, in the same job.
@@ -87,6 +88,20 @@ class StreamSync(Protocol):
         ``BucketReady`` is posted. CUDA: records the bucket's ready event on
         the caller's current stream for that device (the compute stream, when
         backward runs under :meth:`compute_stream`).
+        """
+        ...
+
+    def before_write(self, device: int) -> None:
+        """The calling thread is about to write ``device``'s buckets on its current stream (a gradient hook).
+
+        Called in the thread where backward runs, before a hook copies a
+        gradient into its bucket slot. CUDA: where that stream is not the
+        compute stream (a model that runs part of its forward on a stream of
+        its own, whose gradients autograd accumulates, and runs the hook, on
+        that stream), it waits for the compute stream as of the start of the
+        running job, which is behind the last round's reductions and
+        optimizer step. The compute stream is in order already; CPU: nothing
+        to wait for.
         """
         ...
 

@@ -5,17 +5,67 @@ Nothing CUDA is created at import time: this module is imported on CPU-only mach
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Protocol
 
 import torch
 
+from .._threads import FitAborted
 from ..errors import ConfigError
 from .base import StreamOrderError, positive_int
 from .host import HostStreamSync
 
-__all__ = ("CudaStreamSync", "cuda_devices")
+__all__ = ("CudaStreamSync", "cuda_devices", "on_device", "wait_on_host")
+
+
+class Queryable(Protocol):
+    """What :func:`wait_on_host` needs of an event: ``torch.cuda.Event.query``."""
+
+    def query(self) -> bool: ...
+
+
+_FIRST_POLL_S = 2e-5
+_LAST_POLL_S = 1e-3
+
+
+def wait_on_host(event: Queryable, abort: threading.Event | None) -> None:
+    """Block the calling thread until ``event``'s work is done, leaving with :class:`~gsync._threads.FitAborted`
+    once ``abort`` is set.
+
+    ``Event.synchronize`` cannot be interrupted: behind a collective a dead
+    peer never completes, a thread in it stays there until the process
+    dies. It also spins a core at 100 % for the whole wait. So the event
+    is polled, at first every 20 us (a short wait stays short), backing off
+    to 1 ms (a long one costs next to nothing), and the abort flag is read
+    between polls.
+
+    :raises ~gsync._threads.FitAborted: when ``abort`` is set before the work is done.
+    """
+    delay = _FIRST_POLL_S
+    while not event.query():
+        if abort is not None and abort.is_set():
+            raise FitAborted
+        time.sleep(delay)
+        delay = min(delay * 2, _LAST_POLL_S)
+
+
+@contextmanager
+def on_device(stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.stream(stream)`` with ``stream``'s device selected around it.
+
+    Leaving ``torch.cuda.stream`` restores the stream that was current on the
+    device current at entry, with ``set_stream``, which selects that device:
+    in a thread that never chose one, device 0, whose CUDA context (about
+    0.5 GB on CUDA 12) is then created even in a process that only uses
+    another GPU. ``torch.cuda.device`` restores the previous device only
+    where it already has a context, so entering it first keeps the thread
+    off devices it does not use.
+    """
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
 
 
 def cuda_devices(devices: Sequence[torch.device | str], what: str) -> tuple[torch.device, ...]:
@@ -106,6 +156,9 @@ class CudaStreamSync:
         self._done = [_event() for _ in self._devices]
         self._entered = [_event() for _ in self._devices]
         self._exited = [_event() for _ in self._devices]
+        # Recorded on the compute stream as each job enters it: what another stream writing the device's
+        # buckets in that job must follow (see before_write).
+        self._started = [_event() for _ in self._devices]
         self._closed = False
 
     @property
@@ -136,6 +189,12 @@ class CudaStreamSync:
         # The current stream, not self._compute: in autograd's thread it is the
         # stream autograd ran this gradient's kernels on, which is the one to order after.
         self._ready[device][bucket].record(torch.cuda.current_stream(self._devices[device]))
+
+    def before_write(self, device: int) -> None:
+        self._check(device, 0)
+        current = torch.cuda.current_stream(self._devices[device])
+        if current.cuda_stream != self._compute[device].cuda_stream:
+            current.wait_event(self._started[device])
 
     def before_reduce(self, bucket: int) -> None:
         if self._order is not None:
@@ -182,6 +241,8 @@ class CudaStreamSync:
                 compute.wait_event(self._entered[device])
             try:
                 with torch.cuda.stream(compute):
+                    # Behind the previous job's optimizer step and its before_apply wait on the reductions.
+                    self._started[device].record(compute)
                     yield
             finally:
                 # Also on failure: the engine reads a checkpoint from the replicas afterwards.
@@ -191,7 +252,7 @@ class CudaStreamSync:
 
     def comm_stream(self, device: int) -> AbstractContextManager[None]:
         self._check(device, 0)
-        return torch.cuda.stream(self._comm[device])
+        return on_device(self._comm[device])
 
     def comm_streams(self) -> AbstractContextManager[None]:
         self._check(0, 0)
@@ -201,7 +262,7 @@ class CudaStreamSync:
     def _all_comm_context(self) -> Iterator[None]:
         with ExitStack() as stack:
             for comm in self._comm:
-                stack.enter_context(torch.cuda.stream(comm))
+                stack.enter_context(on_device(comm))
             yield
 
     def rebuild(self, num_buckets: int) -> None:

@@ -76,6 +76,11 @@ class HostStreamSync:
                 )
             marked.add(device)
 
+    def before_write(self, device: int) -> None:
+        with self._lock:
+            self._check_open()
+            self._check_device(device)
+
     def before_reduce(self, bucket: int) -> None:
         with self._lock:
             self._check_open()
