@@ -13,11 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 import gsync
 
@@ -33,6 +35,24 @@ def make_dataset(rows: int, features: int, classes: int, seed: int = 0) -> torch
 def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+class EpochLines:
+    """A fit callback: one line per epoch, printed as the epoch ends, from the losses of its steps."""
+
+    def __init__(self, show: bool) -> None:
+        self.show = show
+        self.losses: list[float] = []
+
+    def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+        self.losses.append(result.loss)
+
+    def on_epoch_end(self, session: gsync.Session, epoch: int) -> None:
+        losses, self.losses = self.losses, []
+        if self.show and losses:
+            # tqdm.write keeps the progress bar (on stderr) below the lines instead of writing through it.
+            tqdm.write(f"epoch {epoch}: mean loss {sum(losses) / len(losses):.4f} (first {losses[0]:.4f}, last {losses[-1]:.4f})")
+            sys.stdout.flush()  # seen as it happens when stdout is a pipe (| tee, a CI log) too
 
 
 async def main() -> None:
@@ -64,12 +84,9 @@ async def main() -> None:
         optimizer=lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9),
         loss_fn=loss_fn,
         epochs=args.epochs,
+        callbacks=[EpochLines(show=main_process)],
     )
     elapsed = time.perf_counter() - started
-    steps_per_epoch = len(loader)
-    for epoch in range(args.epochs):
-        losses = result.losses[epoch * steps_per_epoch : (epoch + 1) * steps_per_epoch]
-        say(f"epoch {epoch}: mean loss {sum(losses) / len(losses):.4f} (first {losses[0]:.4f}, last {losses[-1]:.4f})")
 
     with torch.no_grad():
         x, y = dataset.tensors

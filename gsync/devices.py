@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, InputTypeError
 
 __all__ = ("DeviceSpec", "parse_devices", "default_devices")
 
@@ -64,17 +64,46 @@ def _parse_one(device: object) -> DeviceSpec:
     return DeviceSpec(type_, 0 if index is None else index)
 
 
+def _count_hint(count: int) -> str:
+    if count < 1:
+        return "list at least one device, e.g. devices=['cpu:0', 'cpu:1']"
+    def names(kind: str) -> str:
+        if count <= 4:
+            return repr([f"{kind}:{i}" for i in range(count)])
+        return f'[f"{kind}:{{i}}" for i in range({count})]'
+    cpu = f"for {count} virtual CPU devices write devices={names('cpu')}"
+    if torch.cuda.is_available():
+        return f"for {count} GPUs write devices={names('cuda')}; {cpu}"
+    return cpu
+
+
 def parse_devices(devices: Sequence[str | torch.device] | None) -> list[DeviceSpec]:
     """Canonicalise a device list; ``None`` means :func:`default_devices`.
 
     :raises ~gsync.ConfigError: for an empty list, an unknown or unavailable
-        device, or a device listed twice (``"cpu"`` and ``"cpu:0"`` are the same).
+        device, a device listed twice (``"cpu"`` and ``"cpu:0"`` are the same),
+        or one string or ``torch.device`` in place of a list.
+    :raises ~gsync.InputTypeError: for a count (``devices=2``) or anything
+        else that is not a list of devices; the message gives the list to write.
     """
     if devices is None:
         devices = default_devices()
-    if isinstance(devices, (str, torch.device)):
+    if isinstance(devices, str):
+        # "cpu:0,cpu:1" is one string to Python, not two devices: suggest the list the user meant.
+        names = [name for name in devices.replace(",", " ").split() if name]
+        raise ConfigError(f"devices must be a list of device names, got the string {devices!r}; write devices={names!r}")
+    if isinstance(devices, torch.device):
         raise ConfigError(f"devices must be a list, got {devices!r}; write devices=[{devices!r}]")
-    specs = [_parse_one(d) for d in devices]
+    if isinstance(devices, int):
+        # Lightning's devices=2 means "two of them"; gsync names each device, so say which names that would be.
+        raise InputTypeError(f"devices must be a list of device names, got the int {devices!r}; {_count_hint(devices)}")
+    try:
+        listed = list(devices)
+    except TypeError:
+        raise InputTypeError(
+            f"devices must be a list of device names such as ['cpu:0', 'cpu:1'], got a {type(devices).__name__}"
+        ) from None
+    specs = [_parse_one(d) for d in listed]
     if not specs:
         raise ConfigError("devices is empty: list at least one device, e.g. devices=['cpu:0', 'cpu:1']")
     seen: dict[str, int] = {}

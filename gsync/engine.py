@@ -48,7 +48,7 @@ def _positive(name: str, value: object) -> float:
 class Engine:
     """Data-parallel training over this process's devices, and over other processes' when it spans several.
 
-    :param devices: device strings or ``torch.device``s; ``"cpu:N"`` is the
+    :param devices: device strings or ``torch.device`` objects; ``"cpu:N"`` is the
         N-th virtual CPU device. Default: every visible CUDA device, else ``["cpu"]``.
     :param bucket_cap_mb: largest gradient bucket, in MiB.
     :param first_bucket_mb: size of the first bucket, kept small so the first

@@ -1,14 +1,18 @@
-"""``fit``'s progress display: a tqdm bar when tqdm is installed, ``logging`` lines otherwise.
+"""``fit``'s progress display: a tqdm bar (a widget in Jupyter when ipywidgets is installed), or plain lines.
 
-``tqdm.auto`` picks a widget in Jupyter and text in a terminal. Without tqdm
-gsync prints nothing itself: it logs an INFO line on the ``gsync`` logger
-every few seconds, which shows once the application configures logging.
+tqdm is one of gsync's dependencies, so the bar is what users see. Where it
+cannot be imported the display falls back to one line every few seconds:
+logged at INFO on the ``gsync`` logger when the application lets such a
+record through, else written to stderr, since progress the user asked for
+must show whether or not logging is configured.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -27,17 +31,48 @@ def progress_wanted(progress: bool | None, rank: int = 0) -> bool:
     return rank == 0 and not (os.environ.get("CI") or os.environ.get("PYTEST_CURRENT_TEST"))
 
 
+def _in_a_kernel_without_widgets() -> bool:
+    # tqdm.auto picks its notebook bar whenever ipykernel runs the code, and when ipywidgets is missing it warns
+    # ("IProgress not found") and falls back to the text bar: choose the text bar ourselves, and say nothing.
+    if "ipykernel.zmqshell" not in sys.modules:
+        return False
+    try:
+        return importlib.util.find_spec("ipywidgets") is None
+    except (ImportError, ValueError):  # ValueError: a module entry of None, as an import blocker leaves
+        return True
+
+
+def _tqdm_class() -> Any:
+    """The bar class to use, or ``None`` where tqdm cannot be imported."""
+    try:
+        if _in_a_kernel_without_widgets():
+            from tqdm.std import tqdm  # type: ignore[import-untyped, unused-ignore]  # tqdm ships no stubs
+        else:
+            from tqdm.auto import tqdm  # type: ignore[import-untyped, unused-ignore]
+    except ImportError:
+        return None
+    return tqdm
+
+
+def _emit_line(message: str, *args: object) -> None:
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(message, *args)
+    else:
+        # Without a handler that takes INFO, logging would drop the line (its last-resort handler shows
+        # warnings only), and the user who asked for progress would see nothing.
+        print("gsync: " + message % args, file=sys.stderr, flush=True)
+
+
 class Progress:
     def __init__(self, total_steps: int | None, first_step: int) -> None:
         self._bar: Any = None
         self._last_log = time.monotonic()
         self._first_step = first_step
         self._unshown: dict[str, Any] | None = None
-        try:
-            from tqdm.auto import tqdm  # type: ignore[import-untyped, import-not-found, unused-ignore]  # optional
-        except ImportError:
-            return
-        self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+        self._last_line: tuple[int, int, float, float, float] | None = None
+        tqdm = _tqdm_class()
+        if tqdm is not None:
+            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, epoch: int, loss: float, lr: float, rows: int, seconds: float) -> None:
         samples = rows / seconds if seconds > 0 else float("nan")
@@ -53,7 +88,13 @@ class Progress:
         now = time.monotonic()
         if now - self._last_log >= _LOG_EVERY_S or step == self._first_step:
             self._last_log = now
-            logger.info("step %d (epoch %d): loss %.4g, lr %.3g, %.0f samples/s", step, epoch, loss, lr, samples)
+            self._line(step, epoch, loss, lr, samples)
+            self._last_line = None
+        else:
+            self._last_line = (step, epoch, loss, lr, samples)
+
+    def _line(self, step: int, epoch: int, loss: float, lr: float, samples: float) -> None:
+        _emit_line("step %d (epoch %d): loss %.4g, lr %.3g, %.0f samples/s", step, epoch, loss, lr, samples)
 
     def _show_postfix(self) -> None:
         values = self._unshown
@@ -71,3 +112,7 @@ class Progress:
                 # The last step's figures are what the finished bar shows.
                 self._show_postfix()
             self._bar.close()
+        elif self._last_line is not None:
+            # The last step's figures, as the finished bar would show them.
+            self._line(*self._last_line)
+            self._last_line = None
