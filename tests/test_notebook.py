@@ -78,7 +78,7 @@ async def test_the_notebook_runs_in_a_real_kernel(tmp_path: Path) -> None:
             await client.async_execute_cell(cell, index)  # raises CellExecutionError on any error output
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert not [o for cell in code for o in cell.outputs if o.output_type == "error"]
-    _, train, failure, trace, resume = code
+    _, train, failure, trace, resume, held_steps, plot, held_fit, held_close = code
 
     # Progress: tqdm's bar reaches every step of the 3 epochs (32 batches each).
     assert "96/96" in text_of(train, "stderr"), text_of(train, "stderr")
@@ -93,6 +93,13 @@ async def test_the_notebook_runs_in_a_real_kernel(tmp_path: Path) -> None:
     saved = tmp_path / "gsync-trace.json"
     assert f"failed at step 5 during backward (trace: {saved})" in printed, printed  # Engine(trace=path) wrote it
     assert "resumed at step 5, trained 27 more steps" in text_of(resume, "stdout")
+
+    # The held session: steps, a plot (or its figures), session.fit going on from step 8, a sample, the close.
+    assert re.search(r"^8 steps, loss [0-9.]+ -> [0-9.]+$", text_of(held_steps, "stdout"), re.MULTILINE), held_steps.outputs
+    assert plot.outputs, "the plot cell showed nothing"
+    assert re.search(r"^steps 8\.\.39, loss now [0-9.]+$", text_of(held_fit, "stdout"), re.MULTILINE), held_fit.outputs
+    assert "predicted: [" in text_of(held_fit, "stdout")
+    assert "closed: True" in text_of(held_close, "stdout")
 
     events = json.loads(saved.read_text())["traceEvents"]  # by now, the resumed fit's
     assert {"forward", "backward", "optimizer"} <= {event["name"] for event in events}
