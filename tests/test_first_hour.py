@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gsync
+import gsync.testing
 from conftest import TiedNet, classification_loss, gsync_threads, make_batches, sgd
 
 pytest_plugins = ("pytester",)
@@ -170,3 +171,14 @@ runpy.run_path({str(ROOT / "examples" / "train_mlp.py")!r}, run_name="__main__")
     assert completed.returncode != 0 and "WorkerFailed" in completed.stderr, completed.stderr
     epochs = [line for line in completed.stdout.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 1 and epochs[0].startswith("epoch 0: mean loss "), completed.stdout
+
+
+@pytest.mark.asyncio
+async def test_an_error_fit_raises_is_raised_not_also_logged(caplog: pytest.LogCaptureFixture) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    caplog.set_level(logging.DEBUG, logger="gsync")
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=1, site="backward")):
+        with pytest.raises(gsync.WorkerFailed):
+            await engine.fit(TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=False)
+    logged = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    assert logged == []  # the caller has the error: a WARNING of the same would say it twice

@@ -948,7 +948,7 @@ async def open_session(
     finally:
         await session._close()
         # Marks how the session ended, writes Engine(trace=path)'s file, ends `raised`'s message with its path.
-        await finish_trace(session.trace, engine.trace_file, raised, session._failure)
+        await finish_trace(session.trace, engine.trace_file, raised, session._cancellation or session._failure)
     if raised is not None:
         raise raised
 
