@@ -492,8 +492,8 @@ def part_bandwidth() -> None:
     import torch
     import torch.cuda.nccl
 
-    from gsync.comm.nccl import NcclCollective
-    from gsync.streams import CudaStreamSync
+    from gsync._core.transports.nccl import NcclCollective
+    from gsync._core.streams import CudaStreamSync
 
     count = torch.cuda.device_count()
     devices = [torch.device("cuda", i) for i in range(count)]

@@ -29,6 +29,12 @@ from .session import StepResult as StepResult
 from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
 from .comm.compressed import CompressionHook as CompressionHook
+from .comm.compressed import LowPrecision as LowPrecision
+from .session import SessionOpener as SessionOpener
+from .types import LossFn as LossFn
+from .types import MetricFn as MetricFn
+from .types import OptimizerFactory as OptimizerFactory
+from .types import SchedulerFactory as SchedulerFactory
 
 __all__ = (
     "Checkpoint",
@@ -60,4 +66,10 @@ __all__ = (
     "TraceEvent",
     "WorkerFailed",
     "CompressionHook",
+    "LossFn",
+    "LowPrecision",
+    "MetricFn",
+    "OptimizerFactory",
+    "SchedulerFactory",
+    "SessionOpener",
 )

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
-from .rng import restore_rng
+from ._core.state.rng import restore_rng
 
-__all__ = ("Checkpoint", "restore_checkpoint_rng")
+__all__ = ("Checkpoint",)
 
 _FORMAT = "gsync-checkpoint"
 # 2: adds the random generators' state and the data position (version 1 files still load).

@@ -2,7 +2,7 @@
 
 A session (:mod:`gsync.session`) builds a replica, optimizer and bucket
 buffers per device and runs the sync server and one actor per device in one
-task group for the life of an ``async with`` block; ``fit`` (:mod:`gsync.fit`)
+task group for the life of an ``async with`` block; ``fit`` (:mod:`gsync._core.session.fit`)
 is a loop over a session.
 """
 
@@ -18,21 +18,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._threads import THREADS_PER_THREAD
+from ._core.threads import THREADS_PER_THREAD
 from .checkpoint import Checkpoint
-from .checkpointing import resolve_resume
+from ._core.state.checkpointing import resolve_resume
 from .comm.compressed import CompressionHook, resolve_compression
-from .context import LossFn, OptimizerFactory, Recipe, SchedulerFactory, SiteHook
-from .devices import DeviceSpec, parse_devices
-from .distributed import should_use_distributed
+from ._core.step.context import Recipe, SiteHook
+from ._core.devices import DeviceSpec, parse_devices
+from ._core.settings import EngineSettings
+from ._core.distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
-from .fit import FitLoopSettings
+from ._core.session.fit import FitLoopSettings
 from .result import FitResult, FitStats
 from .session import SessionOpener
 from .trace import Trace, trace_setting
+from .types import LossFn, OptimizerFactory, SchedulerFactory
 
 if TYPE_CHECKING:
-    from ._session.service import SessionService
+    from ._core.session.service import SessionService
 
 __all__ = ("Engine", "FitResult", "FitStats")
 
@@ -201,6 +203,27 @@ class Engine:
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
         every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
         self._open_service: SessionService | None = None
+
+    def _settings(self) -> EngineSettings:
+        """What a session opened now receives of this engine (the hooks armed on it so far included)."""
+        return EngineSettings(
+            devices=tuple(self.devices),
+            bucket_cap_mb=self.bucket_cap_mb,
+            first_bucket_mb=self.first_bucket_mb,
+            sync_timeout=self.sync_timeout,
+            on_nonfinite=self.on_nonfinite,
+            check_replicas_every=self.check_replicas_every,
+            compression=self.compression,
+            device_threads=self.device_threads,
+            intra_op_threads=self.intra_op_threads,
+            devices_in_turn=self.devices_in_turn,
+            distributed=self.distributed,
+            process_group=self.process_group,
+            store=self.store,
+            trace=self.trace,
+            trace_file=self.trace_file,
+            site_hooks=tuple(self.site_hooks),
+        )
 
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"

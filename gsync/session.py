@@ -51,16 +51,16 @@ import anyio
 import torch
 from torch import nn
 
-from ._session.core import ReduceOp, SessionCore
-from ._session.service import SessionService
-from .actor import MetricFn
+from ._core.session.core import ReduceOp, SessionCore
+from ._core.session.service import SessionService
 from .checkpoint import Checkpoint
-from .context import Recipe
+from ._core.step.context import Recipe
 from .errors import ConfigError, SessionClosed
-from .fit import FitLoopSettings, run_fit
-from .outcome import is_cancellation
+from ._core.session.fit import FitLoopSettings, run_fit
+from ._core.session.outcome import is_cancellation
 from .result import FitResult, FitStats, StepResult
 from .trace import Trace
+from .types import MetricFn
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -531,7 +531,7 @@ class SessionOpener:
                 )
             await open_one.done.wait()  # one that is closing (a dropped session) first ends
         model, recipe, resume, process_local_data = self._args
-        service = SessionService(engine, model, recipe, resume, process_local_data, self._opened_at)
+        service = SessionService(engine._settings(), model, recipe, resume, process_local_data, self._opened_at)
         engine._open_service = service
         return service
 

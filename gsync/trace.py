@@ -27,7 +27,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from ._threads import LoopHandle, WorkerThread
+from ._core.threads import LoopHandle, WorkerThread
 from .errors import (
     ConfigError,
     FitError,
@@ -37,7 +37,7 @@ from .errors import (
     SyncFailed,
     SyncTimeout,
 )
-from .outcome import is_cancellation
+from ._core.session.outcome import is_cancellation
 
 __all__ = ("Trace", "TraceEvent")
 

@@ -187,7 +187,7 @@ def _check_inside_the_loop(item: pytest.Item, before: set[threading.Thread], gra
 
 
 def _threads_of_sessions_open_now() -> set[threading.Thread]:
-    service = sys.modules.get("gsync._session.service")
+    service = sys.modules.get("gsync._core.session.service")
     if service is None:
         return set()  # gsync was never imported: no session can be open
     return {thread for session in service.open_services() for thread in session.threads()}

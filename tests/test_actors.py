@@ -29,16 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import gsync
-from gsync._threads import LoopHandle
-from gsync.actor import DeviceActor
-from gsync.agreement import LocalAgreement
-from gsync.buckets import BucketPlan
-from gsync.buffers import BufferSync
+from gsync._core.threads import LoopHandle
+from gsync._core.step.actor import DeviceActor
+from gsync._core.step.agreement import LocalAgreement
+from gsync._core.gradients.buckets import BucketPlan
+from gsync._core.gradients.buffers import BufferSync
 from gsync.comm.local import LocalCollective
-from gsync.context import ActorContext, Recipe, Shard
-from gsync.devices import parse_devices
-from gsync.mailbox import Mailbox
-from gsync.messages import (
+from gsync._core.step.context import ActorContext, Recipe, Shard
+from gsync._core.devices import parse_devices
+from gsync._core.step.mailbox import Mailbox
+from gsync._core.step.messages import (
     BucketReady,
     Close,
     DeviceMessage,
@@ -49,8 +49,8 @@ from gsync.messages import (
     StepDispatched,
     StepSynced,
 )
-from gsync.server import SyncServer
-from gsync.streams import HostStreamSync, make_stream_sync
+from gsync._core.step.server import SyncServer
+from gsync._core.streams import HostStreamSync, make_stream_sync
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("no_leaks")]
 
@@ -118,7 +118,7 @@ def server_plan() -> BucketPlan:
 
 
 class FakeDevice:
-    """A :class:`~gsync.context.DeviceEndpoint` whose bucket buffers the test owns.
+    """A :class:`~gsync._core.step.context.DeviceEndpoint` whose bucket buffers the test owns.
 
     The server asks for a bucket's buffers (or, with ``grads_in_place``, for
     its gradients: here views into those buffers) exactly when it launches

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import gsync
-from gsync.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
-from gsync.context import LastArrivals
+from gsync._core.gradients.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
+from gsync._core.step.context import LastArrivals
 
 
 def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import gsync
-from gsync.comm import CompressedCollective, LocalCollective, LowPrecision
+from gsync.comm import LocalCollective, LowPrecision
+from gsync.comm.compressed import CompressedCollective
 from conftest import TiedNet, classification_loss, make_batches, sgd
 
 STEPS = 20

@@ -21,14 +21,14 @@ from torch import nn
 
 import gsync
 from conftest import TiedNet, make_batches, sgd
-from gsync._threads import FitAborted
-from gsync.agreement import AgreedStep, StepFacts
-from gsync.buffers import BufferSync
-from gsync.comm.nccl import prepare_for_nccl
-from gsync.distributed.membership import GroupMembership
-from gsync.distributed.runtime import agree_over, host_all_reduce, host_group
-from gsync.readout import LossReadout, ScalarReadout
-from gsync.streams.cuda import wait_on_host
+from gsync._core.threads import FitAborted
+from gsync._core.step.agreement import AgreedStep, StepFacts
+from gsync._core.gradients.buffers import BufferSync
+from gsync._core.transports.nccl import prepare_for_nccl
+from gsync._core.distributed.membership import GroupMembership
+from gsync._core.distributed.runtime import agree_over, host_all_reduce, host_group
+from gsync._core.step.readout import LossReadout, ScalarReadout
+from gsync._core.streams.cuda import wait_on_host
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
@@ -386,8 +386,8 @@ def test_the_loss_readout_leaves_on_abort_behind_a_busy_stream() -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", COMPLEX)
 def test_nccl_reduces_and_broadcasts_complex_tensors(dtype: torch.dtype) -> None:
-    from gsync.comm.nccl import NcclCollective
-    from gsync.streams import CudaStreamSync
+    from gsync._core.transports.nccl import NcclCollective
+    from gsync._core.streams import CudaStreamSync
 
     devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     sync = CudaStreamSync(devices, 1)
@@ -413,7 +413,7 @@ def test_nccl_reduces_and_broadcasts_complex_tensors(dtype: torch.dtype) -> None
 
 @needs_cuda
 def test_a_side_stream_bucket_write_waits_for_the_compute_stream() -> None:
-    from gsync.streams import CudaStreamSync
+    from gsync._core.streams import CudaStreamSync
 
     sync = CudaStreamSync([torch.device("cuda", 0)], 1)
     side = torch.cuda.Stream()
@@ -445,8 +445,8 @@ def test_a_process_on_cuda_1_creates_no_context_on_cuda_0() -> None:
 
     code = """
 import threading, torch
-from gsync.comm.nccl import NcclCollective
-from gsync.streams import CudaStreamSync
+from gsync._core.transports.nccl import NcclCollective
+from gsync._core.streams import CudaStreamSync
 sync = CudaStreamSync(["cuda:1"], 1)
 collective = NcclCollective(["cuda:1"], sync)
 tensor = torch.ones(4, device="cuda:1")

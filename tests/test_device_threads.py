@@ -18,8 +18,8 @@ import torch
 
 import gsync
 import gsync.testing
-from gsync._threads import THREADS_PER_THREAD
-from gsync.distributed.heartbeat import Whereabouts
+from gsync._core.threads import THREADS_PER_THREAD
+from gsync._core.distributed.heartbeat import Whereabouts
 from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 DEVICES = ["cpu:0", "cpu:1", "cpu:2"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gsync
-from gsync.devices import parse_devices
+from gsync._core.devices import parse_devices
 
 
 def test_canonical_names() -> None:

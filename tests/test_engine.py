@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import gsync
-from gsync.mailbox import Mailbox
-from gsync.messages import BucketReady, ForwardDone, StepDeadline
+from gsync._core.step.mailbox import Mailbox
+from gsync._core.step.messages import BucketReady, ForwardDone, StepDeadline
 from conftest import (
     BackwardGate,
     CancelAfterStep,

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import gsync
-from gsync.batches import split_batch
+from gsync._core.data.batches import split_batch
 from conftest import BackwardGate, Deep, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
 
 pytestmark = pytest.mark.asyncio
@@ -357,7 +357,7 @@ async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_g
 ) -> None:
     """The hook-less last bucket is taken in a few calls when every parameter of it got a fresh gradient; the
     per-parameter path it stands in for must give bit for bit the same training."""
-    from gsync.actor import DeviceActor
+    from gsync._core.step.actor import DeviceActor
 
     whole = DeviceActor._take_whole_bucket
     taken: list[bool] = []

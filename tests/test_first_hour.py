@@ -105,7 +105,7 @@ async def test_progress_without_tqdm_shows_though_logging_is_not_configured(
 def test_in_a_jupyter_kernel_without_ipywidgets_the_bar_is_text_and_warns_nothing(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gsync.progress import Progress
+    from gsync._core.session.progress import Progress
 
     # What tqdm.auto sees in an ipykernel without ipywidgets; it decides as it is imported, so import it afresh.
     for name in ("tqdm.auto", "tqdm.autonotebook", "tqdm.notebook"):

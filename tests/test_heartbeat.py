@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import gsync
-from gsync.distributed.heartbeat import Beat, Heartbeat, Whereabouts, locate
+from gsync._core.distributed.heartbeat import Beat, Heartbeat, Whereabouts, locate
 
 INTERVAL = 0.05
 STALE = 0.4

@@ -25,7 +25,7 @@ from conftest import (
     sgd,
     train_reference,
 )
-from gsync.messages import BucketReady
+from gsync._core.step.messages import BucketReady
 
 TWO = ["cpu:0", "cpu:1"]
 RECIPE: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)

@@ -7,9 +7,9 @@ import msgspec
 import pytest
 
 import gsync
-from gsync._threads import LoopHandle
-from gsync.mailbox import Mailbox
-from gsync.messages import BucketReady, Close, DeviceMessage, ServerMessage, StepDispatched, StepSynced
+from gsync._core.threads import LoopHandle
+from gsync._core.step.mailbox import Mailbox
+from gsync._core.step.messages import BucketReady, Close, DeviceMessage, ServerMessage, StepDispatched, StepSynced
 
 @pytest.mark.asyncio
 async def test_messages_arrive_in_order_from_loop_and_threads() -> None:

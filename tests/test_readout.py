@@ -9,7 +9,7 @@ import torch
 
 import gsync
 from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference
-from gsync.readout import LossReadout
+from gsync._core.step.readout import LossReadout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

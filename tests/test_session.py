@@ -567,7 +567,7 @@ async def test_bad_callbacks_and_recipe_arguments_are_refused_up_front() -> None
 
 
 async def test_the_default_progress_display_is_rank_0s_outside_tests_and_ci(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gsync.progress import progress_wanted
+    from gsync._core.session.progress import progress_wanted
 
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)

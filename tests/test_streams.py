@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import gsync
-from gsync.comm.nccl import NcclCollective
-from gsync.streams import CudaStreamSync, HostStreamSync, StreamOrderError, StreamSync, make_stream_sync
+from gsync._core.transports.nccl import NcclCollective
+from gsync._core.streams import CudaStreamSync, HostStreamSync, StreamOrderError, StreamSync, make_stream_sync
 
 T = TypeVar("T")
 
@@ -846,7 +846,7 @@ def test_nccl_collective_rejects_cpu_devices_and_foreign_stream_syncs() -> None:
 
 
 def test_importing_touches_no_cuda() -> None:
-    code = "import gsync.streams, gsync.comm.nccl, torch; print(torch.cuda.is_initialized())"
+    code = "import gsync._core.streams, gsync._core.transports.nccl, torch; print(torch.cuda.is_initialized())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import pytest
 
-from gsync._threads import JobTimedOut, LoopHandle, Outcome, WorkerThread
+from gsync._core.threads import JobTimedOut, LoopHandle, Outcome, WorkerThread
 
 
 def _counting_wakeups(loop: asyncio.AbstractEventLoop) -> list[int]:

@@ -24,7 +24,7 @@ class Collective(Protocol):
     event loop, one call at a time, in the same order on every process.
     ``tensors[i]`` always belongs to local device ``i``. On CPU a call's
     result is in place when it returns; on CUDA it is ordered on each
-    device's communication stream when it returns (see :mod:`gsync.streams`).
+    device's communication stream when it returns (see :mod:`gsync._core.streams`).
     A device whose weight is zero is left out of the sum, whatever its
     tensor holds.
     """

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import gsync
-from gsync.comm.nccl import NcclCollective
-from gsync.streams import CudaStreamSync
+from gsync._core.transports.nccl import NcclCollective
+from gsync._core.streams import CudaStreamSync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -81,7 +81,7 @@ class CountingDist:
 
 
 def rank_main() -> dict[str, Any]:
-    from gsync.comm import process_group
+    from gsync._core.transports import process_group
 
     counters: dict[str, CountingDist] = {}
     real = process_group.dist

@@ -1,4 +1,4 @@
-"""gsync.distributed across 2 real processes: join, topology, checks, state broadcast, failure board.
+"""gsync._core.distributed across 2 real processes: join, topology, checks, state broadcast, failure board.
 
 Each spawn runs a whole scenario in both ranks and returns what each rank saw;
 the tests below assert on those observations. Spawns are few because process
@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gsync
-from gsync.comm.process_group import ProcessGroupCollective
-from gsync.distributed import (
+from gsync._core.transports.process_group import ProcessGroupCollective
+from gsync._core.distributed import (
     FailureBoard,
     FailureReport,
     agree_on_order,
@@ -35,7 +35,7 @@ from gsync.distributed import (
     verify_same_parameters,
     verify_same_start,
 )
-from gsync.topology import Topology
+from gsync._core.topology import Topology
 
 from harness import run_ranks
 

@@ -17,7 +17,7 @@ import torch
 from conftest import TiedNet, classification_loss, make_batches, sgd
 from harness import run_ranks
 
-from gsync.distributed.heartbeat import LOST_AFTER_S
+from gsync._core.distributed.heartbeat import LOST_AFTER_S
 
 STEPS = 6
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 import gsync
-from gsync.comm.process_group import ProcessGroupCollective
-from gsync.distributed import GroupMembership, gather_topology, join
-from gsync.topology import Topology
+from gsync._core.transports.process_group import ProcessGroupCollective
+from gsync._core.distributed import GroupMembership, gather_topology, join
+from gsync._core.topology import Topology
 
 from harness import RankResult, run_ranks
 
@@ -171,7 +171,7 @@ def abandoned_reduction() -> dict[str, object]:
     import threading
     import time
 
-    from gsync._threads import FitAborted
+    from gsync._core.threads import FitAborted
 
     abort = threading.Event()
     session = join(None, "cpu", timeout_s=30, abort=abort)

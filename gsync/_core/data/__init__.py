@@ -1,0 +1,1 @@
+"""Global batches split into per-device shards, and the thread that reads the user's data."""

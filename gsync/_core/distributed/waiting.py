@@ -1,0 +1,59 @@
+"""Waiting on a collective without getting stuck inside it.
+
+A gsync thread blocked in ``Work.wait()`` cannot be interrupted by anything on
+this rank: ``destroy_process_group`` and ``abort()`` leave a gloo wait blocked
+until the peer answers or the group times out. A thread left there when the
+interpreter exits is worse than a hang: when the wait finally returns during
+finalization, it cannot retake the GIL, CPython ends the thread with a forced
+unwind through a ``noexcept`` destructor, and the process aborts with
+``terminate called without an active exception`` (pytorch/pytorch#38228).
+
+So host-blocking waits (gloo) run in short slices, and between slices the
+thread checks the run's abort flag and leaves with
+:class:`~gsync._core.threads.FitAborted` once it is set. The abandoned operation is
+gloo's to finish or fail in its own threads; no gsync thread is inside it.
+
+NCCL waits are stream-ordered (``wait()`` returns at once and makes the
+current stream wait), and a timed wait would block the host until the GPU is
+done, so those are left as they are.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..threads import FitAborted
+
+__all__ = ("WAIT_SLICE", "wait_work")
+
+WAIT_SLICE = timedelta(milliseconds=50)
+"""How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""
+
+
+def wait_work(work: dist.Work, abort: threading.Event | None, *, blocking: bool = True) -> None:
+    """Wait for ``work``, leaving early with :class:`FitAborted` once ``abort`` is set.
+
+    ``blocking`` says the work blocks the host (gloo); otherwise (NCCL) the
+    plain stream-ordered ``wait()`` is used.
+
+    :raises FitAborted: when ``abort`` is set before the work completes.
+    :raises RuntimeError: (from torch.distributed) when the work itself failed.
+    """
+    if abort is None or not blocking:
+        work.wait()
+        return
+    while not work.is_completed():
+        if abort.is_set():
+            raise FitAborted
+        try:
+            work.wait(WAIT_SLICE)
+        except RuntimeError:
+            # A slice that ran out ("Operation timed out!") leaves the work
+            # pending; a failed work is completed and raises again below.
+            if work.is_completed():
+                break
+    # Completed: returns at once, or raises the work's own error.
+    work.wait()

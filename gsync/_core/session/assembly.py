@@ -1,0 +1,173 @@
+"""Assembling a session: every part a session runs, built from the engine's settings and the user's recipe.
+
+Nothing here starts a thread or a task: worker threads start with their
+first job, so an assembly that is never run needs no cleanup beyond closing
+its mailboxes and streams (the session's teardown does).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..threads import LoopHandle, WorkerThread
+from ..step.actor import DeviceActor
+from ..step.agreement import LocalAgreement, StepAgreement
+from ..gradients.buckets import BucketPlan
+from ..gradients.buffers import BufferSync
+from ...comm.base import Collective
+from ...comm.compressed import CompressedCollective
+from ...comm.local import LocalCollective
+from ..transports.nccl import NcclCollective
+from ..transports.process_group import ProcessGroupCollective
+from ..step.context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints
+from ..distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from ..step.mailbox import Mailbox
+from ..step.messages import ServerMessage, SessionMessage
+from ..gradients.rebuild import PlanRebuild
+from ..state.replicas import Replica
+from ..step.server import SyncServer
+from ..streams import CudaStreamSync, StreamSync, make_stream_sync
+from ..topology import Topology
+from ...trace import Trace
+
+if TYPE_CHECKING:
+    from ..settings import EngineSettings
+
+__all__ = ("Assembly", "assemble", "plan_buckets")
+
+
+@dataclass
+class Assembly:
+    topology: Topology
+    context: ActorContext
+    actors: list[DeviceActor]
+    server: SyncServer
+    collective: Collective
+    streams: StreamSync
+    buffers: BufferSync
+    rebuild: PlanRebuild
+    server_mailbox: Mailbox[ServerMessage]
+    session_mailbox: Mailbox[SessionMessage]
+    trace: Trace | None
+
+
+def plan_buckets(settings: EngineSettings, named_params: Sequence[tuple[str, object]]) -> BucketPlan:
+    """The first bucket plan, from the model itself (replicas have the same names, shapes and dtypes).
+
+    :raises ~gsync.ConfigError: when nothing requires grad, or a parameter is not materialized yet (a lazy module).
+    """
+    return BucketPlan.build(
+        named_params,  # type: ignore[arg-type]
+        first_bucket_bytes=int(settings.first_bucket_mb * 2**20),
+        bucket_cap_bytes=int(settings.bucket_cap_mb * 2**20),
+    )
+
+
+def assemble(
+    settings: EngineSettings,
+    recipe: Recipe,
+    plan: BucketPlan,
+    replicas: Sequence[Replica],
+    runtime: ProcessGroupRuntime | None,
+    abort: threading.Event,
+    loop: LoopHandle,
+    process_local_data: bool,
+) -> Assembly:
+    """Every part of a session, wired together: actors, sync server, collective, streams, mailboxes."""
+    topology = runtime.topology if runtime is not None else Topology(local_devices=len(settings.devices))
+    streams = make_stream_sync([spec.torch_device for spec in settings.devices], len(plan.buckets))
+    collective: Collective
+    if runtime is not None:
+        collective = ProcessGroupCollective(runtime.membership.group, topology, abort)
+    elif isinstance(streams, CudaStreamSync):
+        # Single-process multi-GPU: NCCL on the communication streams.
+        collective = NcclCollective([spec.torch_device for spec in settings.devices], streams)
+    else:
+        collective = LocalCollective(len(settings.devices))
+    if settings.compression is not None:
+        # Every transport compresses through the same wrapper, so the arithmetic does not depend on the topology.
+        collective = CompressedCollective(collective, settings.compression)
+    # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
+    # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
+    alone = collective.world_devices == 1 and settings.compression is None
+    grads_in_place = alone or (settings.compression is None and isinstance(collective, LocalCollective))
+    device_names = [spec.name for spec in settings.devices]
+    # True or a file path: a fresh trace per session.
+    trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
+    if trace is not None:
+        trace.describe(topology.rank, topology.world_size, device_names)
+    buffers = BufferSync([replica.module for replica in replicas])
+    server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
+    session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
+    context = ActorContext(
+        plan=plan,
+        recipe=recipe,
+        server=server_mailbox,
+        session=session_mailbox,
+        loop=loop,
+        abort=abort,
+        sync_timeout=settings.sync_timeout,
+        on_nonfinite=settings.on_nonfinite,
+        check_replicas_every=settings.check_replicas_every,
+        fingerprints=ReplicaFingerprints(device_names) if settings.check_replicas_every else None,
+        trace=trace,
+        site_hooks=settings.site_hooks,
+        first_bucket_bytes=int(settings.first_bucket_mb * 2**20),
+        bucket_cap_bytes=int(settings.bucket_cap_mb * 2**20),
+        streams=streams,
+        grads_in_place=grads_in_place,
+        alone=alone,
+        shared_thread=settings.device_threads == "shared",
+        intra_op_threads=settings.intra_op_threads,
+        # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
+        # thread the devices take turns anyway.
+        first_step=(
+            FirstStepInTurn(len(replicas))
+            if len(replicas) > 1
+            and settings.device_threads == "per_device"
+            and all(spec.torch_device.type == "cpu" for spec in settings.devices)
+            else None
+        ),
+        arrivals=LastArrivals(len(replicas), len(plan.names)),
+    )
+    # Started by its first job, like every worker thread; the teardown joins it once.
+    # Its jobs are the devices' shares of one step (or evaluation), which the step waits for anyway: a report held
+    # until the others' jobs end delays nothing (see WorkerThread).
+    shared = WorkerThread("gsync-devices", loop, hold_reports=True) if settings.device_threads == "shared" else None
+    actors = []
+    for index, (spec, replica) in enumerate(zip(settings.devices, replicas)):
+        # Bucket buffers are allocated on the compute stream that uses them.
+        with streams.compute_stream(index):
+            actors.append(
+                DeviceActor(
+                    index=index,
+                    spec=spec,
+                    replica=replica.module,
+                    optimizer=replica.optimizer,
+                    context=context,
+                    scheduler=replica.scheduler,
+                    scaler=replica.scaler,
+                    worker=shared,
+                )
+            )
+    first = actors[0]
+    rebuild = PlanRebuild(context, lambda: first.readiness.order, runtime.agree_order if runtime is not None else None)
+    agreement: StepAgreement = (
+        ProcessGroupAgreement(runtime, len(plan.names), process_local_data) if runtime is not None else LocalAgreement()
+    )
+    server = SyncServer(
+        mailbox=server_mailbox,
+        context=context,
+        devices=actors,
+        buffers=buffers,
+        collective=collective,
+        agreement=agreement,
+        rebuild=rebuild,
+    )
+    return Assembly(
+        topology, context, actors, server, collective, streams, buffers, rebuild,
+        server_mailbox, session_mailbox, trace,
+    )

@@ -1,0 +1,395 @@
+"""``fit``: one loop over a session, with the data reading, accumulation, callbacks and progress around it.
+
+Every step goes through :meth:`gsync.Session.step`, so ``fit`` and a
+user's own loop share one code path for the actors, the server and failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+from torch import nn
+
+from ...checkpoint import Checkpoint, restore_checkpoint_rng
+from ..state.checkpointing import CheckpointSettings, CheckpointWriter
+from ...errors import CheckpointError, ConfigError, InputTypeError, StopTraining
+from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch, check_batch_source
+from .outcome import flatten, is_cancellation
+from .progress import Progress, progress_wanted
+from ...result import FitResult, StepRecord
+from ...result import StepResult
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectReceiveStream
+
+    from .core import SessionCore
+    from ...session import Session
+
+__all__ = ("FitLoopSettings", "check_callbacks", "run_fit")
+
+_CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end")
+
+
+@dataclass(frozen=True)
+class FitLoopSettings:
+    """``fit``'s loop arguments, checked: what :meth:`gsync.Session.fit` and :meth:`gsync.Engine.fit` share."""
+
+    epochs: int
+    accumulate: int
+    callbacks: list[Any]
+    progress: bool | None
+    checkpoints: CheckpointSettings | None
+
+    @classmethod
+    def checked(
+        cls,
+        data: object,
+        epochs: object,
+        accumulate: object,
+        callbacks: object,
+        progress: object,
+        checkpoint_dir: object,
+        checkpoint_every: object,
+        keep: object,
+    ) -> FitLoopSettings:
+        """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+        check_batch_source(data)
+        if isinstance(data, (Iterator, AsyncIterator)) and epochs > 1:
+            raise ConfigError(
+                f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
+                "so each epoch can start over"
+            )
+        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)  # type: ignore[arg-type]
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        per_epoch = batches_per_epoch(data)
+        if per_epoch == 0:
+            raise ConfigError(
+                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
+                "its dataset has none: lower batch_size or set drop_last=False"
+            )
+        if per_epoch is not None and per_epoch < accumulate:
+            raise ConfigError(
+                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
+                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
+                "lower accumulate"
+            )
+        checked_callbacks = check_callbacks(callbacks)
+        if progress is not None and not isinstance(progress, bool):
+            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
+        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints)
+
+
+async def run_fit(
+    session: Session,
+    core: SessionCore,
+    data: Iterable[Any] | AsyncIterable[Any],
+    settings: FitLoopSettings,
+    result_model: nn.Module | None = None,
+) -> FitResult:
+    """The loop of one fit over an open session; ``result_model``: the result's model (default ``session.model``).
+
+    The caller closes the session if this raises (see :meth:`gsync.Session.fit`).
+    """
+    history: list[StepRecord] = []
+    epochs, accumulate, checkpoints = settings.epochs, settings.accumulate, settings.checkpoints
+    # The first fit of a resumed session continues the run its checkpoint came from: the data is replayed up to
+    # it, and the generators restored there; any other fit trains on its data from the session's next step.
+    resume = core.resume if core.replay_pending else None
+    # One rank writes: the replicas of every rank hold the same state.
+    writer = (
+        CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
+        if checkpoints is not None and session.rank == 0
+        else None
+    )
+    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume)
+    total = _total_steps(data, epochs, accumulate)
+    display = Progress(total, core.next_step) if progress_wanted(settings.progress, session.rank) else None
+    loop.progress = display
+    try:
+        await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
+        if not history and resume is not None:
+            raise ConfigError(
+                f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
+                "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+            )
+        if not history:
+            # Data whose length is known is refused before any work (FitLoopSettings); this is data without one.
+            raise ConfigError(
+                f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
+                "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
+            )
+        # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
+        # from it continues as one that never stopped, which would not have called on_fit_end there.
+        checkpoint = replace(core.checkpoint(), data_position=loop.position)
+        steps_before = core.next_step
+        try:
+            await loop.call("on_fit_end", session)
+        except StopTraining:
+            pass  # training has ended anyway
+        if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
+            checkpoint = replace(core.checkpoint(), data_position=loop.position)
+        if writer is not None:
+            await writer.write(checkpoint)
+            await writer.close()
+    except BaseException:
+        if writer is not None:
+            # The run's own error matters more than the last write's.
+            with anyio.CancelScope(shield=True):
+                await writer.abandon()
+        raise
+    finally:
+        if display is not None:
+            display.close()
+    return FitResult(
+        model=core.current_model() if result_model is None else result_model,
+        losses=[record.loss for record in history],
+        first_step=history[0].step,
+        skipped_steps=[record.step for record in history if record.skipped],
+        checkpoint=checkpoint,
+        stats=core.stats,
+        trace=core.trace,
+        history=history,
+    )
+
+
+class _FitLoop:
+    """Groups batches into steps, reads one step ahead (so the last step is known), runs callbacks."""
+
+    def __init__(
+        self,
+        session: Session,
+        core: SessionCore,
+        callbacks: Sequence[Any],
+        accumulate: int,
+        history: list[StepRecord],
+        writer: CheckpointWriter | None = None,
+        resume: Checkpoint | None = None,
+    ) -> None:
+        self.session = session
+        self.core = core
+        self.resume = resume
+        self.position: tuple[int, int] | None = None
+        """``(epoch, batches)`` of data consumed through the last step run (or replayed)."""
+        self.writer = writer
+        self.callbacks = list(callbacks)
+        self.accumulate = accumulate
+        self.history = history
+        self.progress: Progress | None = None
+        self._held: tuple[int, int, list[Any], tuple[int, int]] | None = None
+        self._epochs_to_close: list[int] = []
+        self._generators_restored = False
+
+    async def call(self, hook: str, *args: Any) -> None:
+        for callback in self.callbacks:
+            method = getattr(callback, hook, None)
+            if method is not None:
+                outcome = method(*args)
+                if inspect.isawaitable(outcome):
+                    await outcome
+
+    async def run(self, feeder: Feeder) -> None:
+        """Train on everything the feeder reads; a callback's ``StopTraining`` ends it early, without error."""
+        send, receive = anyio.create_memory_object_stream[FeedItem](1)
+        raised: BaseException | None = None
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(feeder.run, send)
+                async with receive:
+                    try:
+                        await self._consume(_FeedItems(receive), feeder.next_epoch)
+                    except StopTraining:
+                        pass
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as errors:
+            # The feeder never raises (it sends its failures), so this is the
+            # loop's own error: raise it as itself, not in a group.
+            raised = next((e for e in flatten(errors) if not is_cancellation(e)), errors)
+        if raised is not None:
+            raise raised
+
+    async def _consume(self, items: AsyncIterable[FeedItem], next_epoch: Callable[[], None]) -> None:
+        # Resuming, the data's steps count from 0 and those before the session's first are replayed; otherwise
+        # the data's first step is the session's next.
+        first_step = self.core.next_step
+        index = 0 if self.resume is not None else first_step
+        group: list[Any] = []
+        in_epoch = 0
+        async for item in items:
+            match item:
+                case BatchRead(epoch=epoch, batch=batch):
+                    group.append(batch)
+                    in_epoch += 1
+                    if len(group) < self.accumulate:
+                        continue
+                    batches, group = group, []
+                    step, index = index, index + 1
+                    if step < first_step:
+                        self.position = (epoch, in_epoch)
+                        continue  # resuming: the checkpoint already includes this step
+                    if step == first_step:
+                        self._check_position()
+                    await self._run_held(last=False)
+                    self._held = (step, epoch, batches, (epoch, in_epoch))
+                case EpochEnded(epoch=epoch, final=final):
+                    in_epoch = 0
+                    if group:
+                        warnings.warn(
+                            f"epoch {epoch} ended with {len(group)} batch(es) that do not fill a step of "
+                            f"accumulate={self.accumulate}; they were left out",
+                            UserWarning,
+                            stacklevel=2,
+                        )
+                        group = []
+                    if self._held is not None and self._held[1] == epoch:
+                        self._epochs_to_close.append(epoch)
+                    if not final:
+                        # The epoch's last step and callbacks run before the next epoch is read (a step
+                        # followed by another epoch is not the run's last, unless that epoch is too short).
+                        await self._run_held(last=False)
+                        if index == first_step:
+                            # Resuming from the end of this epoch: the run it continues took its checkpoint
+                            # here, before the next epoch's iter(data) (a DataLoader's draws a seed).
+                            self._restore_generators()
+                        next_epoch()
+                case ReadFailed(error=error):
+                    # The step already read still runs (it is not the last: the data did not end).
+                    await self._run_held(last=False)
+                    raise error
+        await self._run_held(last=True)
+
+    async def _run_held(self, last: bool) -> None:
+        held, self._held = self._held, None
+        result: StepResult | None = None
+        due: Checkpoint | None = None
+        if held is not None:
+            step, epoch, batches, position = held
+            if self.resume is not None and step == self.resume.next_step:
+                self._restore_generators()
+            result = await self.core.step(batches, last=last)
+            self.position = position
+            self._record(result, epoch)
+            if self.writer is not None and self.writer.due(result.step):
+                due = replace(self.core.checkpoint(), data_position=position)
+        try:
+            if result is not None:
+                await self.call("on_step_end", self.session, result)
+            closing, self._epochs_to_close = self._epochs_to_close, []
+            for epoch in closing:
+                await self.call("on_epoch_end", self.session, epoch)
+        except StopTraining:
+            await self._write(due, generators_now=True)
+            raise
+        except BaseException:
+            # A callback raised, or the fit is being cancelled (a notebook interrupt during an evaluate in
+            # on_step_end): the step is consistent and its file is still written, with the generators as the
+            # step left them; what the callback raised (or the cancellation) is what propagates.
+            with contextlib.suppress(CheckpointError):
+                await self._write(due, generators_now=False)
+            raise
+        await self._write(due, generators_now=True)
+
+    def _restore_generators(self) -> None:
+        """Once the data before a checkpoint is replayed: from here on the run draws random numbers as the one it
+        continues did."""
+        if self.resume is not None and not self._generators_restored:
+            self._generators_restored = True
+            restore_checkpoint_rng(self.resume)
+
+    async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
+        """Write the checkpoint a step was due, copied as the step ended; ``generators_now``: with the random
+        generators as they are now, once the step's callbacks have run.
+
+        The next step starts from the generators as the step's callbacks
+        leave them (a callback may draw from them: a sampled log line), so
+        a run resumed from the file must too.
+        """
+        if due is None or self.writer is None:
+            return
+        if generators_now and due.rng_state is not None:
+            due = replace(due, rng_state=self.core.generators())
+        # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran
+        # must not cost that step's file; handing it over waits at most for the write before it.
+        with anyio.CancelScope(shield=True):
+            await self.writer.write(due)
+
+    def _check_position(self) -> None:
+        """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""
+        resume = self.resume
+        if resume is None or resume.data_position is None or self.position == resume.data_position:
+            return
+        saved_epoch, saved_batches = resume.data_position
+        replayed = "no batch" if self.position is None else f"{self.position[1]} batch(es) of epoch {self.position[0]}"
+        raise ConfigError(
+            f"the data does not line up with the checkpoint: through step {resume.step} it had consumed "
+            f"{saved_batches} batch(es) of epoch {saved_epoch}, but replaying the data given now consumes {replayed}; "
+            "resume with the same data (same batches per epoch) and the same accumulate"
+        )
+
+    def _record(self, result: StepResult, epoch: int) -> None:
+        self.history.append(
+            StepRecord(result.step, epoch, result.loss, result.lr, result.rows, result.seconds, result.skipped)
+        )
+        if self.progress is not None:
+            self.progress.update(result.step, epoch, result.loss, result.lr, result.rows, result.seconds)
+
+
+class _FeedItems:
+    """The feeder's items, each one it has already read taken without a turn of the event loop.
+
+    Iterating the stream itself would first yield to the loop on every item
+    (anyio's checkpoint), and the steps run one after another: each such
+    turn comes between one step's optimizer and the next step's forward,
+    where every device waits. A cancellation already requested (a callback
+    cancelling an enclosing scope) is still seen here, before the next step
+    starts; waiting for an item not yet read yields, as before.
+    """
+
+    def __init__(self, items: MemoryObjectReceiveStream[FeedItem]) -> None:
+        self._items = items
+
+    def __aiter__(self) -> _FeedItems:
+        return self
+
+    async def __anext__(self) -> FeedItem:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            return self._items.receive_nowait()
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+        try:
+            return await self._items.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+
+def check_callbacks(callbacks: object) -> list[Any]:
+    """:raises ~gsync.InputTypeError: unless every callback has at least one of the hooks."""
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
+        raise InputTypeError(f"callbacks must be a list of callback objects, got {type(callbacks).__name__}")
+    checked = list(callbacks)
+    for callback in checked:
+        if not any(callable(getattr(callback, hook, None)) for hook in _CALLBACK_HOOKS):
+            raise InputTypeError(
+                f"callback {callback!r} has none of {', '.join(_CALLBACK_HOOKS)}; give it at least one "
+                "(each is called as hook(session, ...), sync or async)"
+            )
+    return checked
+
+
+def _total_steps(data: object, epochs: int, accumulate: int) -> int | None:
+    per_epoch = batches_per_epoch(data)
+    return None if per_epoch is None else per_epoch // accumulate * epochs

@@ -1,0 +1,216 @@
+"""The task that owns a session's task group, so that the session can be held and used from any task.
+
+An anyio task group must be entered and left by one task, but a held
+session is opened in one notebook cell (or fixture setup) and closed in
+another, each its own task. So the session's life, :func:`open_session` with
+its task group, runs in a task of its own, as anyio's pytest plugin runs its
+fixtures in one long-lived task: :class:`SessionService`. Operations do not
+go through it: a step runs in the caller's task and meets the actors through
+their mailboxes, so no call pays a hand-off. The service only waits for the
+session to end (a close, a failure, a drop) and then leaves the task group.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+import anyio
+
+from ...checkpoint import Checkpoint
+from ..step.context import Recipe
+from ...errors import SessionClosed
+from .outcome import is_cancellation
+from .core import SessionCore, open_session
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..settings import EngineSettings
+
+__all__ = ("SessionService", "open_services")
+
+logger = logging.getLogger("gsync")
+_OPEN: weakref.WeakSet[SessionService] = weakref.WeakSet()
+
+
+def open_services() -> list[SessionService]:
+    """Every session of this process that has not ended yet (for the pytest plugin: those a fixture holds)."""
+    return [service for service in list(_OPEN) if not service.done.is_set()]
+
+
+class SessionService:
+    """Runs one session's life in the task that calls :meth:`run`; the handle asks it to end."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        model: nn.Module,
+        recipe: Recipe,
+        resume: Checkpoint | None,
+        process_local_data: bool,
+        opened_at: str,
+    ) -> None:
+        self._settings = settings
+        self._model = model
+        self._recipe = recipe
+        self._resume = resume
+        self._process_local_data = process_local_data
+        self.opened_at = opened_at
+        """Where the user opened the session (``file:line``), for the errors and warnings that name it."""
+        self.core: SessionCore | None = None
+        self._opened = anyio.Event()
+        self.done = anyio.Event()
+        """Set once the session is closed and everything it started has stopped."""
+        self._scope = anyio.CancelScope()
+        self._open_error: BaseException | None = None
+        self._end_with: BaseException | None = None
+        self._close_error: BaseException | None = None
+        self.closing = False
+        """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
+        self.held = False
+        """Run in a task of its own (``await engine.session(...)``), not in the task group of an ``async with``."""
+        _OPEN.add(self)
+
+    async def run(self) -> None:
+        """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
+        try:
+            with self._scope:
+                async with open_session(
+                    self._settings, self._model, self._recipe, resume=self._resume, process_local_data=self._process_local_data
+                ) as core:
+                    self.core = core
+                    self._opened.set()
+                    await core.end_requested.wait()
+                    self.closing = True
+                    if self._end_with is not None:
+                        raise self._end_with  # the session ends as the block of a failed `async with` would
+        except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
+            ended = self.core
+            if ended is None:
+                self._open_error = error
+            elif error is not self._end_with and error is not ended.failure and error is not ended.undelivered:
+                if not is_cancellation(error):
+                    self._close_error = error
+            if is_cancellation(error):
+                if self.held and not self.closing and ended is not None:
+                    warnings.warn(
+                        f"the session opened at {self.opened_at} was still open when its task was cancelled (did "
+                        "the event loop end?); it is closed, and its model is left as it was: `await "
+                        "session.aclose()` when you are done",
+                        ResourceWarning,
+                        stacklevel=1,
+                    )
+                raise
+        finally:
+            self.closing = True
+            self._opened.set()
+            self.done.set()
+
+    async def wait_open(self) -> SessionCore:
+        """Wait until the session serves, and return its core.
+
+        :raises: what opening raised (a bad argument found while building, a
+            peer's failure, a cancellation of this call: the start is abandoned
+            and everything it started stopped first).
+        """
+        try:
+            await self._opened.wait()
+        except BaseException:
+            self._scope.cancel()
+            await self.wait_done()
+            raise
+        if self._open_error is not None:
+            error, self._open_error = self._open_error, None
+            raise error
+        if self.core is None:  # the start was abandoned by a cancellation of this service's task
+            raise SessionClosed("the session was cancelled while it opened")
+        return self.core
+
+    async def close(self, error: BaseException | None = None, *, busy_reason: str = "aclose() was called") -> None:
+        """End the session and wait until everything it started has stopped; idempotent.
+
+        Without ``error`` the session ends normally (the model passed in gets
+        the trained weights, unless the session had failed); with one, it ends
+        as a block that raised ``error`` does (peers told, the model left as it
+        was). An operation still running is ended first with
+        :class:`~gsync.SessionClosed`. Shielded: a close that has begun finishes.
+
+        :raises: a failure that nothing has raised yet (one settled while no
+            call ran), unless ``error`` is given: then that failure is logged,
+            since the caller's own exception is what propagates.
+        """
+        core = self.core
+        quiet = error is not None
+        if core is not None and not self.done.is_set():
+            if error is not None and is_cancellation(error):
+                core.cancelled(error)  # closed as failed; peers hear of a cancellation, not of a departure
+                error = None
+            if core.busy:
+                core.close_operation(f"{busy_reason} while another task's step, evaluate or all_reduce ran")
+            if self._end_with is None:
+                self._end_with = error
+            self.closing = True
+            core.end_requested.set()
+        await self.wait_done()
+        pending = self.take_pending()
+        if pending is None:
+            return
+        if quiet:
+            logger.warning("gsync: the session had failed before it closed: %s: %s", type(pending).__name__, pending)
+            return
+        raise pending
+
+    async def wait_done(self) -> None:
+        """Until the session has stopped everything it started, though the caller is cancelled meanwhile.
+
+        A shield keeps anyio's cancellations out, but on asyncio a task that
+        awaits another task (a notebook cell's, a test's ``create_task``)
+        cancels it natively, once per attempt of its own cancellation: such
+        a cancellation is held until the session is down, then re-raised.
+        """
+        cancelled: BaseException | None = None
+        while not self.done.is_set():
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self.done.wait()
+            except anyio.get_cancelled_exc_class() as error:
+                cancelled = error
+        if cancelled is not None:
+            raise cancelled
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads this session runs for its whole life (each started by its first job)."""
+        core = self.core
+        return [] if core is None or self.done.is_set() else core.threads()
+
+    def take_pending(self) -> BaseException | None:
+        """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""
+        core = self.core
+        if core is not None and core.undelivered is not None:
+            undelivered, core.undelivered = core.undelivered, None
+            return undelivered
+        pending, self._close_error = self._close_error, None
+        return pending
+
+    def drop(self, why: str) -> None:
+        """From the loop: end a session nobody holds any more, as a failed block would (the model is not written)."""
+        core = self.core
+        if core is None or self.done.is_set():
+            return
+        if self._end_with is None:
+            self._end_with = SessionClosed(why)
+        self.closing = True
+        core.end_requested.set()
+
+    def log_if_pending(self) -> None:
+        """Once a dropped session has closed: a failure nobody will ever raise is logged instead."""
+        pending = self.take_pending()
+        if pending is not None:
+            logger.warning(
+                "gsync: the session opened at %s failed, and was dropped before any call raised it: %s: %s",
+                self.opened_at, type(pending).__name__, pending,
+            )

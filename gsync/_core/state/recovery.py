@@ -1,0 +1,72 @@
+"""What a failed session hands back: the state after the last step its replicas applied, read where it is whole.
+
+Every step is reduced on every device before any device applies it, so a
+replica that finished its optimizer step holds a state the whole run agreed
+on. A replica interrupted inside its optimizer step is half-updated and is
+never read; nor, where an equally advanced replica is free, one that a
+stalled job may still be writing to (a job in a thread cannot be
+interrupted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+
+from torch import nn
+
+from ..step.actor import DeviceActor
+from ..gradients.buffers import BufferSync
+from ...checkpoint import Checkpoint
+from ...errors import GsyncError, SyncTimeout
+
+__all__ = ("attach_checkpoint", "last_consistent")
+
+
+def last_consistent(
+    actors: Sequence[DeviceActor],
+    *,
+    busy: Collection[str],
+    first_step: int,
+    model: nn.Module,
+    resume: Checkpoint | None,
+    buffers: BufferSync | None,
+) -> Checkpoint:
+    """The state after the most advanced step a replica applied, from a replica not named in ``busy`` where one
+    as advanced is not busy.
+
+    Before the session's first step that is ``resume`` (the state it started
+    from), or ``model``'s own state when it started fresh.
+
+    :raises RuntimeError: if every replica was interrupted inside its optimizer step.
+    """
+    clean = [actor for actor in actors if not actor.optimizer_dirty]
+    idle = [actor for actor in clean if actor.name not in busy]
+    if idle and max(a.applied_step for a in idle) == max(a.applied_step for a in clean):
+        clean = idle
+    if not clean:
+        raise RuntimeError("every replica was interrupted inside its optimizer step")
+    best = max(clean, key=lambda actor: actor.applied_step)
+    if best.applied_step < first_step:
+        if resume is not None:
+            return resume
+        return Checkpoint.capture(-1, model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)
+    snapshot = buffers.snapshot(best.applied_step) if buffers is not None else None
+    return Checkpoint.capture(
+        best.applied_step, best.replica, best.optimizer, snapshot, scheduler=best.scheduler, scaler=best.scaler
+    )
+
+
+def attach_checkpoint(failure: GsyncError, capture: Callable[[Collection[str]], Checkpoint]) -> None:
+    """Give ``failure`` the state ``capture(busy)`` reads, ``busy`` naming the devices a timeout left running.
+
+    A capture that fails leaves a note on ``failure`` instead: the failure
+    itself is what the user must see.
+    """
+    busy = failure.stalled_devices if isinstance(failure, SyncTimeout) else ()
+    try:
+        checkpoint = capture(busy)
+    except Exception as error:  # noqa: BLE001 - the original failure matters more
+        failure.add_note(f"gsync could not capture a checkpoint: {error!r}")
+        return
+    failure.checkpoint = checkpoint
+    failure.last_step = checkpoint.step if checkpoint.step >= 0 else None

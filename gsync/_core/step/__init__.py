@@ -1,0 +1,1 @@
+"""One optimizer step: the device actors, the sync server, their messages and mailboxes, the per-step agreement."""
