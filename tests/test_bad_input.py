@@ -35,6 +35,8 @@ async def refuse(
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(error, match=match) as caught:
         await gsync.Engine(["cpu:0", "cpu:1"]).fit(model, data, optimizer=optimizer, loss_fn=loss_fn, **fit_kwargs)
+    # A refusal is gsync's own, typed error, never a builtin raised on the way by chance.
+    assert isinstance(caught.value, gsync.GsyncError), repr(caught.value)
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name]), f"{name} changed"
     assert gsync_threads() == []
@@ -67,11 +69,11 @@ async def test_model_that_is_not_a_module() -> None:
 
 
 async def test_optimizer_not_callable() -> None:
-    await refuse(TypeError, "factory", optimizer=torch.optim.SGD(TiedNet().parameters(), lr=0.1))
+    await refuse(gsync.InputTypeError, "factory", optimizer=torch.optim.SGD(TiedNet().parameters(), lr=0.1))
 
 
 async def test_optimizer_factory_returning_something_else() -> None:
-    await refuse(TypeError, "must return a torch.optim.Optimizer", optimizer=lambda params: params)
+    await refuse(gsync.InputTypeError, "must return a torch.optim.Optimizer", optimizer=lambda params: params)
 
 
 async def test_optimizer_over_the_wrong_parameters() -> None:
@@ -89,7 +91,7 @@ async def test_optimizer_over_the_wrong_parameters() -> None:
     ids=["non-tensor", "non-scalar", "no-grad"],
 )
 async def test_bad_loss(loss_fn: Callable[..., Any], match: str) -> None:
-    error = await refuse(TypeError, match, loss_fn=loss_fn)
+    error = await refuse(gsync.InputTypeError, match, loss_fn=loss_fn)
     assert isinstance(error, gsync.InputTypeError) and "step 0" in str(error)
 
 
@@ -136,10 +138,10 @@ async def test_data_with_fewer_batches_per_epoch_than_a_step_of_accumulate(
 
 
 async def test_data_that_is_a_tensor_a_dict_or_not_iterable() -> None:
-    await refuse(TypeError, "single tensor", data=torch.zeros(4, 12))
-    await refuse(TypeError, "iterable", data=42)
+    await refuse(gsync.InputTypeError, "single tensor", data=torch.zeros(4, 12))
+    await refuse(gsync.InputTypeError, "iterable", data=42)
     # One batch as a dict, not a list of batches: its keys would be read as batches.
-    await refuse(TypeError, "data is a dict", data={"x": torch.zeros(4, 12), "y": torch.zeros(4, dtype=torch.long)})
+    await refuse(gsync.InputTypeError, "data is a dict", data={"x": torch.zeros(4, 12), "y": torch.zeros(4, dtype=torch.long)})
 
 
 async def test_one_shot_iterator_over_several_epochs() -> None:
@@ -176,7 +178,7 @@ async def test_bad_epochs(epochs: Any) -> None:
 
 
 async def test_bad_resume() -> None:
-    await refuse(TypeError, "gsync.Checkpoint", resume={"step": 3})
+    await refuse(gsync.InputTypeError, "gsync.Checkpoint", resume={"step": 3})
 
 
 async def test_bad_engine_options() -> None:

@@ -603,26 +603,36 @@ async def test_fit_progress_bar_formats_figures_only_to_redraw_and_ends_on_the_l
     assert len(formatted) == 1  # at the end
 
 
-async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     tqdm = pytest.importorskip("tqdm")
+    torch.manual_seed(0)
+    model = TiedNet()
+    expected, expected_losses = train_reference(model, make_batches(3, 8))
     # What TQDM_DISABLE=1 does to every bar (set so: tqdm reads its environment only as it is imported).
     monkeypatch.setattr(tqdm.std.tqdm, "__init__", functools.partialmethod(tqdm.std.tqdm.__init__, disable=True))
     result = await gsync.Engine(TWO).fit(
-        TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
+        copy.deepcopy(model), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
     )
-    assert len(result.losses) == 3
+    assert result.losses == pytest.approx(expected_losses, abs=2e-5)
+    assert_same_state(result.model, expected)
+    assert capsys.readouterr().err == ""  # the disabled bar drew nothing, and nothing fell back to lines
 
 
 async def test_a_session_used_from_an_asyncio_task_group_too() -> None:
     """Sessions are plain anyio: an asyncio.TaskGroup around them works as well."""
     engine = gsync.Engine(TWO)
+    torch.manual_seed(0)
+    model = TiedNet()
+    _, expected_losses = train_reference(model, make_batches(1, 8))
     async with asyncio.TaskGroup() as group:
         async def train() -> float:
-            async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            async with engine.session(copy.deepcopy(model), optimizer=sgd, loss_fn=classification_loss) as session:
                 return (await session.step(make_batches(1, 8)[0])).loss
 
         task = group.create_task(train())
-    assert task.result() > 0
+    assert task.result() == pytest.approx(expected_losses[0], abs=2e-5)
 
 
 async def test_cancelling_one_step_midway_closes_the_session(no_leaks: None) -> None:

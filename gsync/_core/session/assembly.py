@@ -20,6 +20,7 @@ from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
 from ...comm.compressed import CompressedCollective
 from ...comm.local import LocalCollective
+from ..transports.capabilities import ReducesInPlace
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective
 from ..step.context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints
@@ -93,7 +94,7 @@ def assemble(
     # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
     # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
     alone = collective.world_devices == 1 and settings.compression is None
-    grads_in_place = alone or (settings.compression is None and isinstance(collective, LocalCollective))
+    grads_in_place = alone or (settings.compression is None and isinstance(collective, ReducesInPlace))
     device_names = [spec.name for spec in settings.devices]
     # True or a file path: a fresh trace per session.
     trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None

@@ -26,8 +26,7 @@ from ..threads import FitAborted, Outcome, WorkerThread
 from .agreement import AgreedStep, StepAgreement, StepFacts
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
-from ...comm.compressed import CompressedCollective
-from ...comm.local import LocalCollective
+from ..transports.capabilities import ReducesBuckets, ReducesInPlace
 from .context import ActorContext, DeviceEndpoint
 from ...errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
@@ -88,10 +87,12 @@ class SyncServer:
         self._collective = collective
         # Gradients left in .grad (context.grads_in_place) are reduced where they are, which only the
         # in-process collective can do.
-        self._in_place_collective: LocalCollective | None = None
+        # Asked once: a protocol check costs microseconds, and a step reduces several buckets.
+        self._bucket_reducer = collective if isinstance(collective, ReducesBuckets) else None
+        self._in_place_collective: ReducesInPlace | None = None
         if context.grads_in_place and not context.alone:
-            if not isinstance(collective, LocalCollective):
-                raise ValueError(f"gradients left in .grad need a LocalCollective to reduce them, not {collective!r}")
+            if not isinstance(collective, ReducesInPlace):
+                raise ValueError(f"gradients left in .grad need a collective that reduces in place, not {collective!r}")
             self._in_place_collective = collective
         self._agreement = agreement
         self._rebuild = rebuild
@@ -327,14 +328,14 @@ class SyncServer:
         self._reduced_through = (step, bucket)
 
     def _reduce_flats(self, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> int:
-        if isinstance(self._collective, CompressedCollective):
-            return self._collective.reduce_bucket(bucket, flats, weights)
+        if self._bucket_reducer is not None:
+            return self._bucket_reducer.reduce_bucket(bucket, flats, weights)
         self._collective.all_reduce(flats, weights)
         return flats[0].numel() * flats[0].element_size()
 
     @staticmethod
     def _reduce_in_place(
-        collective: LocalCollective, grads: list[list[torch.Tensor]], weights: list[float], nbytes: int
+        collective: ReducesInPlace, grads: list[list[torch.Tensor]], weights: list[float], nbytes: int
     ) -> int:
         collective.all_reduce_each(grads, weights)
         return nbytes
