@@ -37,18 +37,14 @@ from ...checkpoint import Checkpoint, restore_checkpoint_rng
 from ...comm.base import Collective
 from ..step.context import ActorContext, Recipe, Shard
 from ..distributed import FailureReport, peer_failed
-from ..distributed.heartbeat import Whereabouts, locate
 from ..distributed.runtime import ProcessGroupRuntime
 from ...errors import (
-    SESSION_START,
     ConfigError,
     DataFailed,
     GsyncError,
     InputTypeError,
     LostRank,
     MailboxClosed,
-    PeerFailed,
-    PeerLost,
     SessionClosed,
     SyncFailed,
     SyncTimeout,
@@ -57,6 +53,7 @@ from ..data.feeder import BatchReader, check_batch_source
 from ..step.mailbox import Mailbox
 from ..step.messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
 from .outcome import first_failure, is_cancellation, raised_by_block
+from .peers import SessionPeers
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
 from ..state.replicas import build_replicas
@@ -76,17 +73,13 @@ __all__ = ("ReduceOp", "SessionCore", "open_session")
 # before leaving them (they are daemons and stop at their next phase boundary
 # or gradient hook).
 _THREAD_GRACE_S = 0.5
-# Upper bound on reporting a failure to other ranks and closing a process group.
-_DIST_TEARDOWN_S = 10.0
-# The error type a rank publishes when it leaves its session normally.
-_DEPARTED = "SessionClosed"
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
 logger = logging.getLogger("gsync")
 _T = TypeVar("_T")
 
 
-class SessionCore:
+class SessionCore(SessionPeers):
     """One open session's state and operations; users reach it through :class:`gsync.Session`."""
 
     def __init__(
@@ -671,97 +664,6 @@ class SessionCore:
             self.on_idle_failure()
         raise failure
 
-    async def _watch_peers(self) -> None:
-        """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`.
-
-        A rank that left its session normally is a failure only for a step
-        it never took part in: it is noted, and the next step past it raises.
-        """
-        await self._peer_news_arrived.wait()
-        report = self._peer_news[0]
-        if isinstance(report, list):
-            raise PeerLost(report)
-        if _departure(report) and not (self._stepping and self._operations_done >= report.operations):
-            self._peer_left = report
-            return
-        over = self._operation_over
-        if self._stepping and report.step > self._next_step and over is not None:
-            # The peer failed in a later step than the one this rank is finishing: it took part
-            # in every collective of this one, so this step completes (its update is consistent
-            # everywhere) before the failure ends the session.
-            await over.wait()
-        raise peer_failed(report)
-
-    async def _listen_to_peers(self) -> None:
-        """From now on, hear of other ranks that fail (their reports) or fall silent (their heartbeats).
-
-        :meth:`_watch_peers` acts on the news once the session serves. Until
-        then, news of a failure aborts the session's start: its collectives
-        would otherwise wait for the failed rank until the group's own
-        timeout (30 minutes for a group the user made), then fail with the
-        transport's error.
-        """
-        runtime, setup, loop = _built(self._runtime), _built(self._setup), self.loop_handle()
-
-        def deliver(news: FailureReport | list[LostRank]) -> None:
-            self._peer_news.append(news)
-            self._peer_news_arrived.set()
-            if not self._started and not _departure(news):
-                self._abort.set()  # the start's collectives leave their waits
-
-        runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
-        # Starting the watcher opens a store connection: not on the event loop.
-        await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
-
-    async def _start_with_peers(self, runtime: ProcessGroupRuntime, modules: list[nn.Module]) -> None:
-        """The start's collectives (same parameters, same step, rank 0's state); a peer failing meanwhile is named.
-
-        :raises ~gsync.PeerFailed: when a peer reported a failure (its own
-            start failed: an optimizer factory that raised, a checkpoint's
-            optimizer state that does not fit), or :class:`~gsync.PeerLost`
-            when its heartbeat stopped.
-        :raises ~gsync.SyncFailed: ``site="session start"``, when a collective
-            failed and no peer can be named.
-        :raises ~gsync.ConfigError: on every rank, when they differ in parameters or in the step they resume from.
-        """
-        setup = _built(self._setup)
-        self._collective_what = SESSION_START
-        failure: BaseException
-        try:
-            await setup.run(lambda: runtime.prepare(modules, self.first_step))
-        except FitAborted:
-            # Only news of a peer's failure aborts a start (a cancellation of this rank raises in the await instead).
-            failures = [news for news in self._peer_news if not _departure(news)]
-            if not failures:
-                raise
-            news = failures[0]
-            failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
-        except GsyncError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
-            failed = SyncFailed(self.first_step - 1, None, site=SESSION_START)
-            failed.__cause__ = error
-            # A peer that failed reported before it closed its connections; one that died is named by its silence.
-            failure = await self._in_setup(lambda: runtime.blame_peer(failed), failed)
-        else:
-            self._collective_what = None
-            return
-        raise failure
-
-    def _whereabouts(self) -> Whereabouts:
-        """Where this rank is, for its heartbeat (called from the heartbeat thread)."""
-        last = self._next_step - 1
-        what = self._collective_what
-        if what is not None:
-            return Whereabouts(last, what, waiting=True)
-        if self._failing or self._failure is not None:
-            # Ending because a step or collective failed: a victim, not the rank others wait for.
-            return Whereabouts(last, "ending after a failure", waiting=True)
-        if not self._started:
-            return Whereabouts(last, "starting the session")
-        if not self._stepping:
-            return Whereabouts(last, "outside gsync")
-        return locate(self._actors, last)
 
     def _stop_serving(self) -> None:
         """End the data: actors finish what they hold, the server closes them, serving returns."""
@@ -828,42 +730,6 @@ class SessionCore:
             self._attach_checkpoint(failure)
         return failure
 
-    async def _report(self, failure: BaseException) -> None:
-        """Tell the other ranks why this rank's session is ending, unless it was because of them."""
-        runtime = self._runtime
-        if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
-            return
-        if runtime.store_unreachable():
-            return  # a write to a store that does not answer would only hold the teardown up
-        self._reported = failure
-        site = "fit" if self._started else SESSION_START
-        await self._in_setup(lambda: runtime.report(failure, site), None)
-
-    async def _announce_departure(self) -> None:
-        runtime = self._runtime
-        if runtime is None:
-            return
-        last = self._next_step - 1
-        notice = FailureReport(
-            runtime.membership.rank, "", -1, last, "session", _DEPARTED,
-            "this rank started another step (or evaluate, or all_reduce); every rank must run the same loop",
-            operations=self._operations_done,
-        )
-        await self._in_setup(lambda: runtime.board.report(notice), None)
-
-    async def _in_setup(self, job: Callable[[], Any], default: Any) -> Any:
-        """Run a store or group job in the setup thread, bounded and shielded (teardown must finish)."""
-        setup = self._setup
-        if setup is None:
-            return default
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_DIST_TEARDOWN_S):
-            try:
-                return await setup.run(job)
-            except Exception as error:  # noqa: BLE001 - a store gone with a dead host must not hide the failure
-                logger.warning("gsync: talking to the other ranks failed while closing the session: %r", error)
-                return default
-        logger.warning("gsync: talking to the other ranks took over %g s while closing the session", _DIST_TEARDOWN_S)
-        return default
 
     async def _close(self) -> None:
         """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
@@ -961,11 +827,6 @@ def _reduced_as(value: float | torch.Tensor, reduced: float | torch.Tensor, op: 
     if op == "mean":
         return total / world_size  # a Python division: an int64 sum is divided exactly, not in float32
     return int(total) if isinstance(value, int) else float(total)
-
-
-def _departure(news: FailureReport | list[LostRank]) -> bool:
-    """Whether ``news`` is a rank leaving its session normally (a failure only for the operations it misses)."""
-    return isinstance(news, FailureReport) and news.error_type == _DEPARTED
 
 
 def _built(value: _T | None) -> _T:
