@@ -2,8 +2,9 @@
 
 A session (:mod:`gsync.session`) builds a replica, optimizer and bucket
 buffers per device and runs the sync server and one actor per device in one
-task group for the life of an ``async with`` block; ``fit`` (:mod:`gsync._core.session.fit`)
-is a loop over a session.
+task group, held open until it is closed; :meth:`Engine.fit` opens one, runs
+its loop (:meth:`gsync.Session.fit`) and closes it. What the parts below the
+engine receive of it is one frozen settings object, taken as a session opens.
 """
 
 from __future__ import annotations
