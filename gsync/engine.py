@@ -13,7 +13,7 @@ import inspect
 import math
 import os
 from collections.abc import AsyncIterable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from ._core.state.checkpointing import resolve_resume
 from .comm.compressed import CompressionHook, resolve_compression
 from ._core.step.context import Recipe, SiteHook
 from ._core.devices import DeviceSpec, parse_devices
+from ._core.session.service import SessionSlot
 from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
 from .errors import ConfigError, InputTypeError
@@ -34,8 +35,6 @@ from .session import SessionOpener
 from .trace import Trace, trace_setting
 from .types import LossFn, OptimizerFactory, SchedulerFactory
 
-if TYPE_CHECKING:
-    from ._core.session.service import SessionService
 
 __all__ = ("Engine", "FitResult", "FitStats")
 
@@ -203,7 +202,7 @@ class Engine:
         self.site_hooks: list[SiteHook] = []
         """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
         every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
-        self._open_service: SessionService | None = None
+        self._slot = SessionSlot()
 
     def _settings(self) -> EngineSettings:
         """What a session opened now receives of this engine (the hooks armed on it so far included)."""
@@ -288,14 +287,14 @@ class Engine:
         """
         resume = _resolve_resume(resume)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
-        return SessionOpener(self, model, recipe, resume, bool(process_local_data))
+        return SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data))
 
     async def aclose(self) -> None:
         """Close the session this engine has open, if any, as :meth:`gsync.Session.aclose` does.
 
         :raises: what :meth:`gsync.Session.aclose` raises: a failure that no call has raised yet.
         """
-        service = self._open_service
+        service = self._slot.service
         if service is not None:
             await service.close()
 
@@ -388,7 +387,7 @@ class Engine:
         resume = _resolve_resume(resume, checkpoint_dir)
         recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
-        async with SessionOpener(self, model, recipe, resume, bool(process_local_data)) as session:
+        async with SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data)) as session:
             result = await session._fit(data, settings, result_model=model)
         return result
 

@@ -45,14 +45,15 @@ import threading
 import warnings
 from collections.abc import AsyncIterable, Generator, Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import torch
 from torch import nn
 
 from ._core.session.core import ReduceOp, SessionCore
-from ._core.session.service import SessionService
+from ._core.session.service import SessionService, SessionSlot
+from ._core.settings import EngineSettings
 from .checkpoint import Checkpoint
 from ._core.step.context import Recipe
 from .errors import ConfigError, SessionClosed
@@ -61,9 +62,6 @@ from ._core.session.outcome import is_cancellation
 from .result import FitResult, FitStats, StepResult
 from .trace import Trace
 from .types import MetricFn
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 __all__ = ("Session", "SessionOpener", "StepResult")
 
@@ -406,9 +404,16 @@ class SessionOpener:
     """What :meth:`gsync.Engine.session` returns: ``await`` it for a held session, or ``async with`` it for a scoped one."""
 
     def __init__(
-        self, engine: Engine, model: nn.Module, recipe: Recipe, resume: Checkpoint | None, process_local_data: bool
+        self,
+        slot: SessionSlot,
+        settings: EngineSettings,
+        model: nn.Module,
+        recipe: Recipe,
+        resume: Checkpoint | None,
+        process_local_data: bool,
     ) -> None:
-        self._engine = engine
+        self._slot = slot
+        self._settings = settings
         self._args = (model, recipe, resume, process_local_data)
         self._opened_at = _caller_location()
         self._entered = self._exiting = self._interrupted = False
@@ -521,8 +526,7 @@ class SessionOpener:
         """Never reached: :meth:`__enter__` refuses."""
 
     async def _service(self) -> SessionService:
-        engine = self._engine
-        open_one = engine._open_service
+        open_one = self._slot.service
         if open_one is not None and not open_one.done.is_set():
             if not open_one.closing:
                 raise ConfigError(
@@ -531,8 +535,8 @@ class SessionOpener:
                 )
             await open_one.done.wait()  # one that is closing (a dropped session) first ends
         model, recipe, resume, process_local_data = self._args
-        service = SessionService(engine._settings(), model, recipe, resume, process_local_data, self._opened_at)
-        engine._open_service = service
+        service = SessionService(self._settings, model, recipe, resume, process_local_data, self._opened_at)
+        self._slot.service = service
         return service
 
 

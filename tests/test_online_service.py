@@ -185,5 +185,5 @@ def test_service_under_torchrun_stops_every_rank_when_rank_0_is_told(tmp_path: P
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port())]
     service = _serve_train_and_stop([*torchrun, str(EXAMPLE), "--port", "0", "--save", "model.pt"], tmp_path, 110, env)
-    assert len(service.started) == 3  # torchrun and its two ranks, all gone
+    assert len(service.started) >= 3  # torchrun and its two ranks (at least), all gone
     assert service.output().count("serving on") == 1  # rank 0 only

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream
 
     from .core import SessionCore
-    from ...session import Session
 
 __all__ = ("FitLoopSettings", "check_callbacks", "run_fit")
 
@@ -90,13 +89,15 @@ class FitLoopSettings:
 
 
 async def run_fit(
-    session: Session,
+    session: object,
     core: SessionCore,
     data: Iterable[Any] | AsyncIterable[Any],
     settings: FitLoopSettings,
     result_model: nn.Module | None = None,
 ) -> FitResult:
     """The loop of one fit over an open session; ``result_model``: the result's model (default ``session.model``).
+
+    ``session`` is the public handle, which callbacks receive; the loop itself works on ``core``.
 
     The caller closes the session if this raises (see :meth:`gsync.Session.fit`).
     """
@@ -108,12 +109,12 @@ async def run_fit(
     # One rank writes: the replicas of every rank hold the same state.
     writer = (
         CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
-        if checkpoints is not None and session.rank == 0
+        if checkpoints is not None and core.rank == 0
         else None
     )
     loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume)
     total = _total_steps(data, epochs, accumulate)
-    display = Progress(total, core.next_step) if progress_wanted(settings.progress, session.rank) else None
+    display = Progress(total, core.next_step) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display
     try:
         await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
@@ -167,7 +168,7 @@ class _FitLoop:
 
     def __init__(
         self,
-        session: Session,
+        session: object,
         core: SessionCore,
         callbacks: Sequence[Any],
         accumulate: int,

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from ..settings import EngineSettings
 
-__all__ = ("SessionService", "open_services")
+__all__ = ("SessionService", "SessionSlot", "open_services")
 
 logger = logging.getLogger("gsync")
 _OPEN: weakref.WeakSet[SessionService] = weakref.WeakSet()
@@ -40,6 +40,13 @@ _OPEN: weakref.WeakSet[SessionService] = weakref.WeakSet()
 def open_services() -> list[SessionService]:
     """Every session of this process that has not ended yet (for the pytest plugin: those a fixture holds)."""
     return [service for service in list(_OPEN) if not service.done.is_set()]
+
+
+class SessionSlot:
+    """The one session an engine may have open at a time: what opening checks, and ``Engine.aclose`` closes."""
+
+    def __init__(self) -> None:
+        self.service: SessionService | None = None
 
 
 class SessionService:
