@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 import anyio.lowlevel
 from torch import nn
 
@@ -131,14 +132,15 @@ async def run_fit(
             )
         # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
         # from it continues as one that never stopped, which would not have called on_fit_end there.
-        checkpoint = replace(core.checkpoint(), data_position=loop.position)
+        # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
+        checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
         steps_before = core.next_step
         try:
             await loop.call("on_fit_end", session)
         except StopTraining:
             pass  # training has ended anyway
         if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
-            checkpoint = replace(core.checkpoint(), data_position=loop.position)
+            checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
         if writer is not None:
             await writer.write(checkpoint)
             await writer.close()
