@@ -27,7 +27,7 @@ from .agreement import AgreedStep, StepAgreement, StepFacts
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
 from ..transports.capabilities import ReducesBuckets, ReducesInPlace
-from .context import ActorContext, DeviceEndpoint
+from .context import ActorContext, DeviceEndpoint, FirstStepInTurn
 from ...errors import GsyncError, SyncFailed, SyncTimeout
 from .mailbox import Mailbox
 from .messages import (
@@ -136,127 +136,126 @@ class SyncServer:
             self.mailbox.close()
 
     async def _sync_step(self, dispatched: StepDispatched) -> None:
-        step = dispatched.step
-        weights = list(dispatched.weights)
-        num_buckets = len(self._context.plan.buckets)
-        num_devices = len(self._devices)
-        arrived = [bytearray(num_devices) for _ in range(num_buckets)]
-        ready_count = [0] * num_buckets
-        # Per bucket, the parameters no device has given a gradient so far (None: no device has reported).
-        unused: list[frozenset[int] | None] = [None] * num_buckets
-        next_launch = 0
-        reduced = 0
-        losses_in = 0
-        finished = False
-        skip = False
-        loss = 0.0
+        """Launch a step's reductions as its buckets become ready, in bucket order, and post ``StepSynced``.
 
-        def complete() -> bool:
-            # Every reduction done and every device's losses read: the step's facts are all in.
-            if reduced < num_buckets or losses_in < num_devices:
-                return False
-            no_gradient = tuple(sorted(p for bucket_unused in unused if bucket_unused for p in bucket_unused))
-            return self._finish_step(StepFacts(step, no_gradient, skip, dispatched.rows, loss, dispatched.last))
-
+        :raises ~gsync.SyncTimeout: when the step is not synced within its deadline, naming what never arrived.
+        :raises ~gsync.SyncFailed: when a reduction raises, or a message of another step arrives.
+        """
+        progress = _StepProgress(dispatched, len(self._context.plan.buckets), len(self._devices))
         turns = self._context.first_step if self.steps_synced == 0 else None
         # Devices that run one after another (on one shared thread, or in the first step's turns) may take
         # as many times longer: each has the full timeout for its own part.
         in_turn = self._context.shared_thread or turns is not None
-        timeout = self._timeout * (num_devices if in_turn else 1)
-        # From the moment the deadline passes it wins, as a cancel scope's would: a message read after that only
-        # counts as arrived (in the report), so nothing is launched once the step has timed out. The timer's post
-        # wakes the server if it is waiting.
-        expired = False
+        timeout = self._timeout * (progress.num_devices if in_turn else 1)
 
         def deadline_passed() -> None:
-            nonlocal expired
-            expired = True
-            self.mailbox.try_post(StepDeadline(step))
+            # From the moment the deadline passes it wins, as a cancel scope's would: a message read after that
+            # only counts as arrived (in the report), so nothing is launched once the step has timed out. The
+            # timer's post wakes the server if it is waiting.
+            progress.expired = True
+            self.mailbox.try_post(StepDeadline(dispatched.step))
 
         cancel_deadline = self._context.loop.call_later(timeout, deadline_passed)
+        message: ServerMessage | None = None
         try:
+            finished = False
             while not finished:
                 message = await self.mailbox.receive()
-                if expired:
+                if progress.expired:
                     break
-                match message:
-                    case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
-                        # The most frequent message (devices x buckets per step): matched first.
-                        self._expect_step(step, at, message)
-                        self.bucket_ready_received += 1
-                        arrived[bucket][device] = 1
-                        ready_count[bucket] += 1
-                        if not missing:
-                            unused[bucket] = _NOTHING_UNUSED
-                        elif unused[bucket] is None:
-                            unused[bucket] = frozenset(missing)
-                        else:
-                            unused[bucket] &= frozenset(missing)  # type: ignore[operator]
-                        while next_launch < num_buckets and ready_count[next_launch] == num_devices:
-                            self._launch(step, next_launch, weights)
-                            next_launch += 1
-                    case ForwardDone(step=at, loss=share, skip=device_skips):
-                        self._expect_step(step, at, message)
-                        loss += share
-                        skip = skip or device_skips
-                        losses_in += 1
-                        finished = complete()
-                    case BucketReduced(step=at, bucket=through):
-                        self._expect_step(step, at, message)
-                        reduced = max(reduced, through + 1)
-                        finished = complete()
-                    case StepFinished(step=at):
-                        self._expect_step(step, at, message)
-                        finished = True
-                    case CommFailed(step=at, bucket=bucket):
-                        error = self._comm_errors.pop((at, bucket))
-                        if isinstance(error, (GsyncError, FitAborted)):
-                            # FitAborted: the session is already ending for another reason.
-                            raise error
-                        raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
-                    case StepDeadline():
-                        pass  # an earlier step's, synced before its timer's post was read
-                    case StepDispatched() | Close():
-                        self._backlog.append(message)
+                finished = self._take(message, progress)
         finally:
             cancel_deadline()
-        if expired:
-            # The message read as the deadline was seen, and posts that did not wake the server, still count as
-            # arrived: a bucket, or the losses, not yet in from every device, or in from every device but whose
-            # last poster's job (which wakes the server as it ends) had not ended.
-            late: ServerMessage | None = message
-            while late is not None:
-                if isinstance(late, BucketReady) and late.step == step:
-                    arrived[late.bucket][late.device] = 1
-                elif isinstance(late, ForwardDone) and late.step == step:
-                    losses_in += 1
-                late = self.mailbox.receive_nowait()
-            # A device still waiting for its first-step turn, or for the thread it shares with the
-            # other devices, is held up by another device, which is named.
-            blamed = [
-                device
-                for device in range(num_devices)
-                if not self._devices[device].queued and (turns is None or not turns.queued(device))
-            ] or list(range(num_devices))
-            missing_pairs = [
-                (self._devices[device].name, bucket)
-                for bucket in range(num_buckets)
-                for device in blamed
-                if not arrived[bucket][device]
-            ]
-            through_step, through_bucket = self._reduced_through
-            unreduced = list(range(max(reduced, through_bucket + 1 if through_step == step else 0), next_launch))
-            stalled = {device for device in blamed if not all(arrived[b][device] for b in range(num_buckets))}
-            last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
-            site = "gradient sync"
-            if reduced == num_buckets and losses_in < num_devices:
-                site = "loss check (reading a device's loss)"
-            elif reduced == num_buckets:
-                site = "closing collectives (buffer broadcast, agreement across processes)"
-            elif not missing_pairs:
-                site = "gradient sync (waiting on the collective; with several processes, on another rank)"
-            raise SyncTimeout(step, timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
+        if progress.expired:
+            raise self._timed_out(progress, message, turns, timeout)
+        self._announce_synced(dispatched.step)
 
+    def _take(self, message: ServerMessage, progress: _StepProgress) -> bool:
+        """Act on one message of the step in progress; whether the step is now finished. The server's one match."""
+        step = progress.step
+        match message:
+            case BucketReady(device=device, step=at, bucket=bucket, unused=missing):
+                # The most frequent message (devices x buckets per step): matched first.
+                self._expect_step(step, at, message)
+                self.bucket_ready_received += 1
+                for ready in progress.bucket_ready(device, bucket, missing):
+                    self._launch(step, ready, progress.weights)
+                return False
+            case ForwardDone(step=at, loss=share, skip=device_skips):
+                self._expect_step(step, at, message)
+                progress.loss += share
+                progress.skip = progress.skip or device_skips
+                progress.losses_in += 1
+                return self._finish_if_complete(progress)
+            case BucketReduced(step=at, bucket=through):
+                self._expect_step(step, at, message)
+                progress.reduced = max(progress.reduced, through + 1)
+                return self._finish_if_complete(progress)
+            case StepFinished(step=at):
+                self._expect_step(step, at, message)
+                return True
+            case CommFailed(step=at, bucket=bucket):
+                error = self._comm_errors.pop((at, bucket))
+                if isinstance(error, (GsyncError, FitAborted)):
+                    # FitAborted: the session is already ending for another reason.
+                    raise error
+                raise SyncFailed(at, None if bucket == _FINISH else bucket) from error
+            case StepDeadline():
+                return False  # an earlier step's, synced before its timer's post was read
+            case StepDispatched() | Close():
+                self._backlog.append(message)
+                return False
+
+    def _finish_if_complete(self, progress: _StepProgress) -> bool:
+        """Once every reduction is done and every device's loss read, the step's facts are all in: finish it."""
+        if not progress.inputs_complete:
+            return False
+        return self._finish_step(progress.facts())
+
+    def _timed_out(
+        self, progress: _StepProgress, seen: ServerMessage | None, turns: FirstStepInTurn | None, timeout: float
+    ) -> SyncTimeout:
+        """The timeout of a step, naming the (device, bucket) pairs that never arrived and where devices were."""
+        step, num_devices, num_buckets = progress.step, progress.num_devices, progress.num_buckets
+        arrived = progress.arrived
+        # The message read as the deadline was seen, and posts that did not wake the server, still count as
+        # arrived: a bucket, or the losses, not yet in from every device, or in from every device but whose
+        # last poster's job (which wakes the server as it ends) had not ended.
+        late = seen
+        while late is not None:
+            if isinstance(late, BucketReady) and late.step == step:
+                arrived[late.bucket][late.device] = 1
+            elif isinstance(late, ForwardDone) and late.step == step:
+                progress.losses_in += 1
+            late = self.mailbox.receive_nowait()
+        # A device still waiting for its first-step turn, or for the thread it shares with the
+        # other devices, is held up by another device, which is named.
+        blamed = [
+            device
+            for device in range(num_devices)
+            if not self._devices[device].queued and (turns is None or not turns.queued(device))
+        ] or list(range(num_devices))
+        missing_pairs = [
+            (self._devices[device].name, bucket)
+            for bucket in range(num_buckets)
+            for device in blamed
+            if not arrived[bucket][device]
+        ]
+        through_step, through_bucket = self._reduced_through
+        unreduced = list(range(max(progress.reduced, through_bucket + 1 if through_step == step else 0), progress.next_launch))
+        stalled = {device for device in blamed if not all(arrived[b][device] for b in range(num_buckets))}
+        last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
+        site = "gradient sync"
+        if progress.reduced == num_buckets and progress.losses_in < num_devices:
+            site = "loss check (reading a device's loss)"
+        elif progress.reduced == num_buckets:
+            site = "closing collectives (buffer broadcast, agreement across processes)"
+        elif not missing_pairs:
+            site = "gradient sync (waiting on the collective; with several processes, on another rank)"
+        return SyncTimeout(step, timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
+
+    def _announce_synced(self, step: int) -> None:
+        """The step is agreed everywhere: adopt a rebuilt plan after the first, and tell every device."""
         agreed = self._agreed
         self.steps_synced += 1
         if self._rebuild is not None and self.steps_synced == 1:
@@ -380,3 +379,54 @@ class SyncServer:
 
     def close(self) -> None:
         self.comm.stop()
+
+
+class _StepProgress:
+    """What the server has heard of one step so far: readiness per (bucket, device), reductions, losses."""
+
+    __slots__ = (
+        "arrived", "dispatched", "expired", "loss", "losses_in", "next_launch", "num_buckets", "num_devices",
+        "ready_count", "reduced", "skip", "step", "unused", "weights",
+    )
+
+    def __init__(self, dispatched: StepDispatched, num_buckets: int, num_devices: int) -> None:
+        self.dispatched = dispatched
+        self.step = dispatched.step
+        self.weights = list(dispatched.weights)
+        self.num_buckets = num_buckets
+        self.num_devices = num_devices
+        self.arrived = [bytearray(num_devices) for _ in range(num_buckets)]
+        self.ready_count = [0] * num_buckets
+        # Per bucket, the parameters no device has given a gradient so far (None: no device has reported).
+        self.unused: list[frozenset[int] | None] = [None] * num_buckets
+        self.next_launch = 0
+        self.reduced = 0
+        self.losses_in = 0
+        self.skip = False
+        self.loss = 0.0
+        self.expired = False
+
+    def bucket_ready(self, device: int, bucket: int, missing: Sequence[int]) -> range:
+        """Note ``bucket`` ready on ``device``; the buckets that may now be launched, in order."""
+        self.arrived[bucket][device] = 1
+        self.ready_count[bucket] += 1
+        if not missing:
+            self.unused[bucket] = _NOTHING_UNUSED
+        elif self.unused[bucket] is None:
+            self.unused[bucket] = frozenset(missing)
+        else:
+            self.unused[bucket] &= frozenset(missing)  # type: ignore[operator]
+        first = launch = self.next_launch
+        while launch < self.num_buckets and self.ready_count[launch] == self.num_devices:
+            launch += 1
+        self.next_launch = launch
+        return range(first, launch)
+
+    @property
+    def inputs_complete(self) -> bool:
+        return self.reduced >= self.num_buckets and self.losses_in >= self.num_devices
+
+    def facts(self) -> StepFacts:
+        no_gradient = tuple(sorted(p for bucket_unused in self.unused if bucket_unused for p in bucket_unused))
+        dispatched = self.dispatched
+        return StepFacts(self.step, no_gradient, self.skip, dispatched.rows, self.loss, dispatched.last)
