@@ -80,6 +80,41 @@ def assemble(
     """Every part of a session, wired together: actors, sync server, collective, streams, mailboxes."""
     topology = runtime.topology if runtime is not None else Topology(local_devices=len(settings.devices))
     streams = make_stream_sync([spec.torch_device for spec in settings.devices], len(plan.buckets))
+    collective = _collective(settings, runtime, topology, streams, abort)
+    trace = _trace(settings, topology)
+    buffers = BufferSync([replica.module for replica in replicas])
+    server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
+    session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
+    context = _context(settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort)
+    actors = _actors(settings, replicas, context, streams, loop)
+    first = actors[0]
+    rebuild = PlanRebuild(context, lambda: first.readiness.order, runtime.agree_order if runtime is not None else None)
+    agreement: StepAgreement = (
+        ProcessGroupAgreement(runtime, len(plan.names), process_local_data) if runtime is not None else LocalAgreement()
+    )
+    server = SyncServer(
+        mailbox=server_mailbox,
+        context=context,
+        devices=actors,
+        buffers=buffers,
+        collective=collective,
+        agreement=agreement,
+        rebuild=rebuild,
+    )
+    return Assembly(
+        topology, context, actors, server, collective, streams, buffers, rebuild,
+        server_mailbox, session_mailbox, trace,
+    )
+
+
+def _collective(
+    settings: EngineSettings,
+    runtime: ProcessGroupRuntime | None,
+    topology: Topology,
+    streams: StreamSync,
+    abort: threading.Event,
+) -> Collective:
+    """The transport for this session's devices and processes, compressed when the engine compresses."""
     collective: Collective
     if runtime is not None:
         collective = ProcessGroupCollective(runtime.membership.group, topology, abort)
@@ -91,19 +126,37 @@ def assemble(
     if settings.compression is not None:
         # Every transport compresses through the same wrapper, so the arithmetic does not depend on the topology.
         collective = CompressedCollective(collective, settings.compression)
+    return collective
+
+
+def _trace(settings: EngineSettings, topology: Topology) -> Trace | None:
+    # True or a file path: a fresh trace per session.
+    trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
+    if trace is not None:
+        trace.describe(topology.rank, topology.world_size, [spec.name for spec in settings.devices])
+    return trace
+
+
+def _context(
+    settings: EngineSettings,
+    recipe: Recipe,
+    plan: BucketPlan,
+    num_replicas: int,
+    collective: Collective,
+    streams: StreamSync,
+    trace: Trace | None,
+    server_mailbox: Mailbox[ServerMessage],
+    session_mailbox: Mailbox[SessionMessage],
+    loop: LoopHandle,
+    abort: threading.Event,
+) -> ActorContext:
+    """What the actors of the session share, and where its gradients live."""
     # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
     # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
     alone = collective.world_devices == 1 and settings.compression is None
     grads_in_place = alone or (settings.compression is None and isinstance(collective, ReducesInPlace))
     device_names = [spec.name for spec in settings.devices]
-    # True or a file path: a fresh trace per session.
-    trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
-    if trace is not None:
-        trace.describe(topology.rank, topology.world_size, device_names)
-    buffers = BufferSync([replica.module for replica in replicas])
-    server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
-    session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
-    context = ActorContext(
+    return ActorContext(
         plan=plan,
         recipe=recipe,
         server=server_mailbox,
@@ -126,14 +179,20 @@ def assemble(
         # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
         # thread the devices take turns anyway.
         first_step=(
-            FirstStepInTurn(len(replicas))
-            if len(replicas) > 1
+            FirstStepInTurn(num_replicas)
+            if num_replicas > 1
             and settings.device_threads == "per_device"
             and all(spec.torch_device.type == "cpu" for spec in settings.devices)
             else None
         ),
-        arrivals=LastArrivals(len(replicas), len(plan.names)),
+        arrivals=LastArrivals(num_replicas, len(plan.names)),
     )
+
+
+def _actors(
+    settings: EngineSettings, replicas: Sequence[Replica], context: ActorContext, streams: StreamSync, loop: LoopHandle
+) -> list[DeviceActor]:
+    """One actor per local device, each with its replica, optimizer, scheduler and scaler."""
     # Started by its first job, like every worker thread; the teardown joins it once.
     # Its jobs are the devices' shares of one step (or evaluation), which the step waits for anyway: a report held
     # until the others' jobs end delays nothing (see WorkerThread).
@@ -154,21 +213,4 @@ def assemble(
                     worker=shared,
                 )
             )
-    first = actors[0]
-    rebuild = PlanRebuild(context, lambda: first.readiness.order, runtime.agree_order if runtime is not None else None)
-    agreement: StepAgreement = (
-        ProcessGroupAgreement(runtime, len(plan.names), process_local_data) if runtime is not None else LocalAgreement()
-    )
-    server = SyncServer(
-        mailbox=server_mailbox,
-        context=context,
-        devices=actors,
-        buffers=buffers,
-        collective=collective,
-        agreement=agreement,
-        rebuild=rebuild,
-    )
-    return Assembly(
-        topology, context, actors, server, collective, streams, buffers, rebuild,
-        server_mailbox, session_mailbox, trace,
-    )
+    return actors
