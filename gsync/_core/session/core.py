@@ -57,7 +57,7 @@ from .outcome import first_failure, is_cancellation, raised_by_block
 from .peers import SessionPeers
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
-from ..state.replicas import build_replicas
+from ..state.replicas import copy_replicas, equip_replicas
 from ..state.rng import capture_rng
 from ...result import FitStats, StepResult
 from ..step.server import SyncServer
@@ -596,8 +596,10 @@ class SessionCore(SessionPeers):
         # Planned from the model itself, so a model with nothing to train is refused first.
         plan = plan_buckets(settings, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
         # A copy of the model per device takes tens of milliseconds for a 10M-parameter MLP (seconds for a large
-        # model): off the event loop, which other tasks of the user's program share.
-        replicas = await anyio.to_thread.run_sync(build_replicas, self.model, settings.devices, self._recipe, self._resume)
+        # model): off the event loop, which other tasks of the user's program share. The user's factories run on
+        # the loop, as the rest of the user's code does.
+        copies = await anyio.to_thread.run_sync(copy_replicas, self.model, settings.devices, self._resume)
+        replicas = equip_replicas(copies, settings.devices, self._recipe, self._resume)
         runtime = self._runtime
         if runtime is not None:
             await self._start_with_peers(runtime, [r.module for r in replicas])

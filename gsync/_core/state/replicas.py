@@ -16,7 +16,7 @@ from ..step.context import Recipe
 from ..devices import DeviceSpec
 from ...errors import ConfigError, InputTypeError
 
-__all__ = ("Replica", "build_replicas", "trainable")
+__all__ = ("Replica", "copy_replicas", "equip_replicas", "trainable")
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -31,26 +31,37 @@ class Replica:
     scaler: torch.amp.GradScaler | None
 
 
-def build_replicas(
-    model: nn.Module, devices: Sequence[DeviceSpec], recipe: Recipe, resume: Checkpoint | None
-) -> list[Replica]:
-    """One replica per device, copied from ``model`` (or ``resume``'s state), with its own optimizer and friends.
+def copy_replicas(model: nn.Module, devices: Sequence[DeviceSpec], resume: Checkpoint | None) -> list[nn.Module]:
+    """One copy of ``model`` per device (with ``resume``'s weights): the heavy, copying half, for a thread.
 
     Modes are kept as given (a frozen BatchNorm in eval mode stays so), as DDP does.
 
-    :raises ~gsync.InputTypeError: when a factory returns the wrong type.
-    :raises ~gsync.ConfigError: when the optimizer was built over other parameters.
+    :raises ~gsync.ConfigError: when the model cannot be copied, or has a post-accumulate-grad hook.
     """
     _refuse_post_accumulate_hooks(model)
-    replicas = []
+    modules = []
     for spec in devices:
         module = _copy_model(model).to(spec.torch_device)
         _carry_parameter_extras(model, module)
+        if resume is not None:
+            module.load_state_dict(resume.model_state)
+        modules.append(module)
+    return modules
+
+
+def equip_replicas(modules: Sequence[nn.Module], devices: Sequence[DeviceSpec], recipe: Recipe, resume: Checkpoint | None) -> list[Replica]:
+    """Each copy's optimizer, scheduler and scaler, built by the user's factories where the user's code runs.
+
+    :raises ~gsync.InputTypeError: when a factory returns the wrong type.
+    :raises ~gsync.ConfigError: when the optimizer was built over other parameters, or a checkpoint's optimizer
+        state does not fit it.
+    """
+    replicas = []
+    for spec, module in zip(devices, modules):
         optimizer = _build_optimizer(recipe, module)
         scheduler = _build_scheduler(recipe, optimizer)
         scaler = torch.amp.GradScaler(spec.torch_device.type) if recipe.scales_loss else None
         if resume is not None:
-            module.load_state_dict(resume.model_state)
             # load_state_dict keeps tensors that need no cast as they are:
             # without a copy, every replica would step one shared momentum buffer.
             try:
