@@ -23,6 +23,16 @@ Fixtures:
   ``gsync_faults.stall(...)``. At teardown every fault is disarmed and every
   stall released.
 
+A session a fixture holds, for several tests (either shape; with
+``loop_scope="module"`` on the fixture and the tests, one session for the
+module)::
+
+    @pytest_asyncio.fixture
+    async def session(gsync_engine):
+        session = await gsync_engine.session(make_model(), optimizer=..., loss_fn=...)
+        yield session
+        await session.aclose()          # or: async with gsync_engine.session(...) as session: yield session
+
 The leak check: a test that passes but leaves a gsync worker thread (named
 ``gsync-*``) or an asyncio task running gsync code behind fails, naming each
 thread and task. A session a fixture opened before the test (and closes in
