@@ -316,3 +316,28 @@ async def test_async_with_on_a_held_session_closes_it() -> None:
         trained = copy.deepcopy(session.model)
     assert session.closed
     assert_same_state(model, trained, atol=0)
+
+
+@pytest.mark.asyncio
+async def test_a_fit_resumed_mid_epoch_replays_a_shuffled_loader_in_the_order_the_run_read_it(tmp_path: Any) -> None:
+    # The replay's iter(data) must draw from the generators as the interrupted run's did; the checkpoint's
+    # generators (a file's carry them) take over only at the step the checkpoint continues from.
+    dataset = torch.utils.data.TensorDataset(*make_batches(1, 96)[0])
+
+    def loader() -> torch.utils.data.DataLoader[Any]:
+        return torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True)  # the global generator shuffles
+
+    model = TiedNet()
+    torch.manual_seed(0)
+    whole = await gsync.Engine(TWO).fit(copy.deepcopy(model), loader(), epochs=2, progress=False, **RECIPE)
+    engine = gsync.Engine(TWO)
+    files = dict(checkpoint_dir=tmp_path, checkpoint_every=1, progress=False)
+    torch.manual_seed(0)
+    with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=8, site="backward")):  # epoch 1, mid-way
+        with pytest.raises(gsync.WorkerFailed):
+            await engine.fit(copy.deepcopy(model), loader(), epochs=2, **files, **RECIPE)
+    torch.manual_seed(0)  # a restarted script seeds as the first run did
+    resumed = await engine.fit(copy.deepcopy(model), loader(), epochs=2, resume=tmp_path, **files, **RECIPE)
+    assert resumed.first_step == 8
+    assert resumed.losses == whole.losses[8:]
+    assert_same_state(resumed.model, whole.model, atol=0)

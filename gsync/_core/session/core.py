@@ -58,7 +58,7 @@ from .peers import SessionPeers
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
 from ..state.replicas import copy_replicas, equip_replicas
-from ..state.rng import capture_rng
+from ..state.rng import capture_rng, restore_rng
 from ...result import FitStats, StepResult
 from ..step.server import SyncServer
 from ..streams import StreamSync
@@ -90,14 +90,12 @@ class SessionCore(SessionPeers):
         recipe: Recipe,
         resume: Checkpoint | None,
         process_local_data: bool,
-        restore_rng: bool = True,
     ) -> None:
         self._settings = settings
         self.model = model
         """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
         self._recipe = recipe
         self._resume = resume
-        self._restore_rng = restore_rng
         self._process_local = bool(process_local_data)
         self.first_step = 0 if resume is None else resume.next_step
         """The global index of this session's first step (> 0 when resuming)."""
@@ -130,6 +128,7 @@ class SessionCore(SessionPeers):
         self.replay_pending = resume is not None
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
         self._cancellation: BaseException | None = None
+        self._rng_before_resume: dict[str, Any] | None = None
         self._snapshot: nn.Module | None = None
         self._snapshot_step = -1
         self._snapshot_wanted = False
@@ -489,6 +488,17 @@ class SessionCore(SessionPeers):
         """A step, evaluate or all_reduce runs."""
         return self._stepping
 
+    def rewind_generators_for_replay(self) -> None:
+        """Before a resumed fit replays its data: the generators as they were when the session opened.
+
+        The replay draws what the interrupted run drew reading the same data
+        (a shuffling DataLoader's seed at each ``iter``); the fit restores the
+        checkpoint's generators where it continues the run.
+        """
+        state, self._rng_before_resume = self._rng_before_resume, None
+        if state is not None:
+            restore_rng(state)
+
     def cancelled(self, cancellation: BaseException) -> None:
         """A call was cancelled: the session closes, and peers are told of the cancellation."""
         if self._cancellation is None:
@@ -616,7 +626,10 @@ class SessionCore(SessionPeers):
         self._server = parts.server
         self.trace = parts.trace
         resume = self._resume
-        if resume is not None and resume.rng_state is not None and self._restore_rng:
+        if resume is not None and resume.rng_state is not None:
+            # A loop of the user's continues from the checkpoint's generators (its next batch is drawn from them);
+            # a fit that replays its data first rewinds to these, as the interrupted run read its data with them.
+            self._rng_before_resume = capture_rng([spec.torch_device for spec in settings.devices if spec.torch_device.type == "cuda"])
             restore_checkpoint_rng(resume)
         self._open = self._started = True
         logger.info(
@@ -783,14 +796,9 @@ async def open_session(
     *,
     resume: Checkpoint | None,
     process_local_data: bool,
-    restore_rng: bool = True,
 ) -> AsyncIterator[SessionCore]:
-    """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
-
-    ``restore_rng=False`` leaves the random generators to the caller (``fit``
-    restores them once it has replayed its data up to the checkpoint).
-    """
-    session = SessionCore(settings, model, recipe, resume, process_local_data, restore_rng)
+    """The life of one session around the user's block; see :meth:`gsync.Engine.session`."""
+    session = SessionCore(settings, model, recipe, resume, process_local_data)
     raised: BaseException | None = None
     try:
         try:

@@ -107,6 +107,8 @@ async def run_fit(
     # The first fit of a resumed session continues the run its checkpoint came from: the data is replayed up to
     # it, and the generators restored there; any other fit trains on its data from the session's next step.
     resume = core.resume if core.replay_pending else None
+    if resume is not None:
+        core.rewind_generators_for_replay()
     # One rank writes: the replicas of every rank hold the same state.
     writer = (
         CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
