@@ -43,6 +43,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import AsyncIterable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -185,7 +186,7 @@ class Session:
         :raises ~gsync.WorkerFailed: and the other errors of :meth:`fit`, or a
             failure settled since the last call; the session is closed afterwards.
         """
-        self._check_caller()
+        self._check_call()
         try:
             return await self._core.step(batches, last=False)
         except BaseException as error:
@@ -226,17 +227,29 @@ class Session:
             arguments, before any step (the session stays open).
         :raises ~gsync.WorkerFailed: and the other errors of :meth:`gsync.Engine.fit`.
         """
-        self._check_caller()
+        self._check_call()
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
         return await self._fit(data, settings)
 
     async def _fit(self, data: Iterable[Any] | AsyncIterable[Any], settings: FitLoopSettings, result_model: nn.Module | None = None) -> FitResult:
+        service = self._service
+        if service.fit_scope is not None:
+            raise ConfigError("fit() while another task's fit of this session runs: await it before the next call")
+        # The whole fit is one call: another task's step, evaluate or fit is refused until it ends, and a close
+        # from another task ends it (the fit's own callbacks may use the session).
+        scope = service.fit_scope = anyio.CancelScope()
+        service.fit_task = anyio.get_current_task().id
         try:
-            return await run_fit(self, self._core, data, settings, result_model)
+            with scope:
+                return await run_fit(self, self._core, data, settings, result_model)
+            raise self._core.failure or SessionClosed("the fit was ended by a close from another task")
         except BaseException as error:
             # A fit that raised, whatever raised it, leaves the ranks' loops apart: the session ends with it.
             await self._service.close(error)
             raise
+        finally:
+            service.fit_scope = None
+            service.fit_task = None
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
         """Evaluate on every global batch of ``data``, in eval mode and without gradients; global row-weighted means.
@@ -270,7 +283,7 @@ class Session:
         :raises ~gsync.SyncTimeout: when a device's share of a batch takes longer than ``sync_timeout``.
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
-        self._check_caller()
+        self._check_call()
         try:
             return await self._core.evaluate(data, metric_fn=metric_fn)
         except BaseException as error:
@@ -293,7 +306,7 @@ class Session:
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
         """
-        self._check_caller()
+        self._check_call()
         try:
             return await self._core.all_reduce(value, op)
         except BaseException as error:
@@ -343,20 +356,28 @@ class Session:
 
     def __del__(self) -> None:
         service = getattr(self, "_service", None)
-        if service is None or service.done.is_set() or service.closing or self._scoped:
+        if service is None:
             return
-        why = f"the session opened at {service.opened_at} was dropped while open (no reference to it was left)"
-        warnings.warn(
-            f"{why}; it is closed now, and its model is left as it was: `await session.aclose()` when you are done",
-            ResourceWarning,
-            stacklevel=2,
-        )
+        if service.done.is_set():
+            service.log_if_pending()  # a failure nobody can raise any more is logged, not lost
+            return
         loop = self._loop
         if loop is None or loop.is_closed():
-            return  # the loop that ran it has ended, and its tasks with it
+            return  # trio (its sessions are scoped), or the loop that ran it has ended, and its tasks with it
+        dropped = not service.closing
+        why = f"the session opened at {service.opened_at} was dropped while open (no reference to it was left)"
+        if dropped:
+            warnings.warn(
+                f"{why}; it is closed now, and its model is left as it was: `await session.aclose()` when you are done",
+                ResourceWarning,
+                stacklevel=2,
+            )
+            # At once, not on the loop's next turn: an open right after the drop waits for this one to end.
+            service.closing = True
 
         def drop() -> None:
-            service.drop(why)
+            if dropped:
+                service.drop(why)
             task = asyncio.ensure_future(_log_when_done(service), loop=loop)
             _HELD.add(task)
             task.add_done_callback(_HELD.discard)
@@ -372,6 +393,16 @@ class Session:
             await self._service.close(error)
 
     # -- checks ----------------------------------------------------------------------
+
+    def _check_call(self) -> None:
+        """A call that runs an operation: from the right thread and loop, and not beside another task's fit."""
+        self._check_caller()
+        service = self._service
+        if service.fit_scope is not None and service.fit_task != anyio.get_current_task().id:
+            raise ConfigError(
+                "a call of this session while another task's fit() runs: a session does one thing at a time; "
+                "await the fit first (its callbacks may use the session)"
+            )
 
     def _check_caller(self, closing: bool = False) -> None:
         if threading.get_ident() != self._thread:
@@ -393,6 +424,12 @@ class Session:
                         "a gsync session is used from the event loop that opened it; this call came from "
                         + ("another event loop" if current is not None else "outside any event loop")
                     )
+
+
+def _call_if_alive(method: weakref.WeakMethod[Any]) -> None:
+    bound = method()
+    if bound is not None:
+        bound()
 
 
 async def _log_when_done(service: SessionService) -> None:
@@ -452,14 +489,18 @@ class SessionOpener:
         # setup and teardown): the session is held, and the block only closes it.
         session = self._session = await self._open_held(scoped=True)
         self._block_task = asyncio.current_task()
-        session._core.on_idle_failure = self._interrupt_block
+        # Weakly: an opener whose block is never left (`await cm.__aenter__()` in a notebook) is dropped like a
+        # held session, and warns.
+        interrupt = weakref.WeakMethod(self._interrupt_block)
+        session._core.on_idle_failure = lambda: _call_if_alive(interrupt)
         return session
 
     def _interrupt_block(self) -> None:
         """A failure while the block's code does something else cancels that code; the block then raises it."""
         task = self._block_task
-        if task is not None and not self._exiting and not task.done():
+        if task is not None and not self._exiting and not task.done() and self._session is not None:
             self._interrupted = True
+            self._session._service.block_interrupted = True
             task.cancel("gsync: the session failed while the block's code did something else")
 
     async def _enter_in_a_task_group(self) -> Session:
@@ -493,7 +534,15 @@ class SessionOpener:
             return False
         if self._group is not None:
             group, scope = self._group
-            ours = bool(scope.__exit__(exc_type, exc, tb)) and scope.cancelled_caught
+            try:
+                ours = bool(scope.__exit__(exc_type, exc, tb)) and scope.cancelled_caught
+            except BaseException:
+                # trio raises from the scope's exit when it strips its own cancellation from a group: the
+                # session is still closed and the task group left before that propagates.
+                with anyio.CancelScope(shield=True):
+                    await session._service.close(exc)
+                    await group.__aexit__(None, None, None)
+                raise
         else:
             group = None
             task = self._block_task
@@ -526,8 +575,8 @@ class SessionOpener:
         """Never reached: :meth:`__enter__` refuses."""
 
     async def _service(self) -> SessionService:
-        open_one = self._slot.service
-        if open_one is not None and not open_one.done.is_set():
+        # Looped: two openers waiting for the same closing session must not both open.
+        while (open_one := self._slot.service) is not None and not open_one.done.is_set():
             if not open_one.closing:
                 raise ConfigError(
                     f"this engine already has an open session (opened at {open_one.opened_at}); "

@@ -341,3 +341,97 @@ async def test_a_fit_resumed_mid_epoch_replays_a_shuffled_loader_in_the_order_th
     assert resumed.first_step == 8
     assert resumed.losses == whole.losses[8:]
     assert_same_state(resumed.model, whole.model, atol=0)
+
+
+class SlowToCopy(TiedNet):
+    """A model whose copy for each device waits until released: the session is still opening meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copying = threading.Event()
+        self.release = threading.Event()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        self.copying.set()
+        self.release.wait(10)
+        plain = TiedNet()
+        plain.load_state_dict(self.state_dict())
+        return plain
+
+
+@pytest.mark.asyncio
+async def test_engine_aclose_while_a_session_opens_abandons_the_open(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    model = SlowToCopy()
+    opening = asyncio.get_running_loop().create_task(in_a_task(engine.session(model, **RECIPE)))
+    await anyio.to_thread.run_sync(model.copying.wait, 10)
+    closing = asyncio.get_running_loop().create_task(engine.aclose())
+    await asyncio.sleep(0)  # the close is asked for while the copy still runs
+    model.release.set()
+    with anyio.fail_after(10):
+        await closing  # returns, though the session never opened
+        with pytest.raises(gsync.SessionClosed, match="closed .* while it opened"):
+            await opening
+    assert gsync_threads() == []
+    again = await engine.session(TiedNet(), **RECIPE)  # the engine is free
+    await again.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_fit_is_one_call_another_task_cannot_step_beside_it(no_leaks: None) -> None:
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    session = await gsync.Engine(TWO).session(model, **RECIPE)
+    refused: list[BaseException] = []
+    fitting = asyncio.Event()
+
+    class Midway:
+        async def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            if result.step == 1:
+                fitting.set()
+                await session.evaluate(make_batches(1, 8))  # the fit's own callbacks may use the session
+
+    async def step_beside() -> None:
+        await fitting.wait()
+        try:
+            await session.step(make_batches(1, 8)[0])
+        except gsync.ConfigError as error:
+            refused.append(error)
+        await session.aclose()  # from another task: ends the fit, and writes nothing into the model
+
+    beside = asyncio.get_running_loop().create_task(step_beside())
+    with pytest.raises(gsync.SessionClosed, match="aclose"):
+        await session.fit(make_batches(4, 8) * 50, callbacks=[Midway()], progress=False)
+    await beside
+    assert [type(error) for error in refused] == [gsync.ConfigError]
+    assert "another task's fit() runs" in str(refused[0])
+    assert_same_state(model, before, atol=0)
+    assert gsync_threads() == []
+
+
+@pytest.mark.asyncio
+async def test_a_scoped_block_never_left_is_dropped_as_a_held_session_is(no_leaks: None) -> None:
+    engine = gsync.Engine(TWO)
+    opener = engine.session(TiedNet(), **RECIPE)
+    session = await opener.__aenter__()  # in a notebook cell; its __aexit__ never comes
+    await session.step(make_batches(1, 8)[0])
+    service = session._service
+    with pytest.warns(ResourceWarning, match="dropped while open"):
+        del opener, session
+        gc.collect()
+    again = await engine.session(TiedNet(), **RECIPE)  # opened at once: waits for the dropped one to end
+    assert service.done.is_set()
+    await again.aclose()
+    assert gsync_threads() == []
+
+
+@pytest.mark.asyncio
+async def test_a_failure_nobody_raised_is_logged_when_its_session_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
+    await session.step(make_batches(1, 8)[0])
+    post_a_message_the_server_cannot_take(session)
+    await closed_by_itself(session)
+    with caplog.at_level("WARNING", logger="gsync"):
+        del session
+        gc.collect()
+    assert any("SyncFailed" in record.getMessage() and "protocol error" in record.getMessage() for record in caplog.records)

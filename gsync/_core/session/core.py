@@ -190,6 +190,7 @@ class SessionCore(SessionPeers):
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
         """Row-weighted metric sums over every global batch of ``data``, as global means (see :meth:`gsync.Session.evaluate`)."""
+        await self._settle_first()
         self._check_usable("evaluate")
         check_batch_source(data)
         if metric_fn is not None and not callable(metric_fn):
@@ -277,6 +278,7 @@ class SessionCore(SessionPeers):
         if op == "mean" and isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
             # Averaged as float64: an integer or bool sum would overflow, and a bool sum is an OR on some backends.
             value = value.to(torch.float64)
+        await self._settle_first()
         self._check_usable("all_reduce")
         runtime = self._runtime
         if runtime is None:
@@ -320,6 +322,8 @@ class SessionCore(SessionPeers):
 
     async def step(self, batches: Sequence[Any], last: bool) -> StepResult:
         """One optimizer step over ``batches``; ``last``: no step follows it in this fit (the server frees early)."""
+        if self._failing:
+            await self._settle_first()
         self._check_usable("step")
         if not batches:
             raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
@@ -390,6 +394,12 @@ class SessionCore(SessionPeers):
 
     # -- state checks ------------------------------------------------------------
 
+    async def _settle_first(self) -> None:
+        """A call made while a failure is being settled waits for it, and then raises it (not a closed session)."""
+        if self._failing:
+            with anyio.CancelScope(shield=True):
+                await self._settled.wait()
+
     def _check_usable(self, what: str) -> None:
         undelivered = self.undelivered
         if undelivered is not None:
@@ -407,6 +417,8 @@ class SessionCore(SessionPeers):
             closed.checkpoint = getattr(failure, "checkpoint", None)
             raise closed from failure
         if not self._open:
+            if self._failing:
+                raise SessionClosed(f"{what}() while the session closes after a failure; the next call (or aclose) raises it")
             if self._ended:
                 raise SessionClosed(f"{what}() after the session was closed; open a new session")
             raise SessionClosed(f"{what}() on a session that is not open yet: `session = await engine.session(...)` opens it")
@@ -508,7 +520,7 @@ class SessionCore(SessionPeers):
     def close_operation(self, reason: str) -> None:
         """End the operation in flight with :class:`~gsync.SessionClosed` (``reason``), closing the session."""
         scope = self._op_scope
-        if scope is not None:
+        if scope is not None and not self._failing:  # a failing operation raises that failure itself
             self._fail(SessionClosed(reason))
             scope.cancel()
 

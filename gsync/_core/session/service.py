@@ -80,6 +80,12 @@ class SessionService:
         """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
         self.held = False
         """Run in a task of its own (``await engine.session(...)``), not in the task group of an ``async with``."""
+        self.block_interrupted = False
+        """The scoped form cancelled its block's task because of a failure while no call ran."""
+        self.fit_scope: anyio.CancelScope | None = None
+        """The scope of a ``session.fit`` in progress: a close from another task ends it."""
+        self.fit_task: object = None
+        """The task running that fit (its callbacks may call the session; other tasks may not)."""
         _OPEN.add(self)
 
     async def run(self) -> None:
@@ -89,6 +95,10 @@ class SessionService:
                 async with open_session(
                     self._settings, self._model, self._recipe, resume=self._resume, process_local_data=self._process_local_data
                 ) as core:
+                    if self._scope.cancel_called:
+                        # Closed while it opened, and the start had nothing left to await: it ends here, as a
+                        # failed block would (the model is not written), and the opener says so.
+                        raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
                     self.core = core
                     self._opened.set()
                     await core.end_requested.wait()
@@ -133,8 +143,8 @@ class SessionService:
         if self._open_error is not None:
             error, self._open_error = self._open_error, None
             raise error
-        if self.core is None:  # the start was abandoned by a cancellation of this service's task
-            raise SessionClosed("the session was cancelled while it opened")
+        if self.core is None:  # the start was abandoned: a close while it opened, or a cancellation of its task
+            raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
         return self.core
 
     async def close(self, error: BaseException | None = None, *, busy_reason: str = "aclose() was called") -> None:
@@ -152,12 +162,24 @@ class SessionService:
         """
         core = self.core
         quiet = error is not None
-        if core is not None and not self.done.is_set():
+        if error is not None and is_cancellation(error) and self.block_interrupted:
+            # The scoped block's own interrupt (a failure while it did something else): the block's exit
+            # raises that failure, so it is neither a cancellation to report nor a failure to log here.
+            await self.wait_done()
+            return
+        if core is None and not self.done.is_set():
+            self.closing = True
+            self._scope.cancel()  # still opening: the open is abandoned, and the opener says so
+        elif core is not None and not self.done.is_set():
             if error is not None and is_cancellation(error):
                 core.cancelled(error)  # closed as failed; peers hear of a cancellation, not of a departure
                 error = None
+            reason = f"{busy_reason} while another task's call of this session ran"
             if core.busy:
-                core.close_operation(f"{busy_reason} while another task's step, evaluate or all_reduce ran")
+                core.close_operation(reason)
+            if self.fit_scope is not None and self.fit_task != anyio.get_current_task().id:
+                core.close_operation(reason)  # a failure, so the fit's model is not written back either
+                self.fit_scope.cancel()
             if self._end_with is None:
                 self._end_with = error
             self.closing = True
