@@ -3,6 +3,8 @@
 from .checkpoint import Checkpoint as Checkpoint
 from .comm.base import Collective as Collective
 from .comm.local import LocalCollective as LocalCollective
+from .elastic import Elastic as Elastic
+from .elastic import MembershipChange as MembershipChange
 from .engine import Engine as Engine
 from .engine import FitResult as FitResult
 from .engine import FitStats as FitStats
@@ -42,6 +44,7 @@ __all__ = (
     "Collective",
     "ConfigError",
     "DataFailed",
+    "Elastic",
     "Engine",
     "FitError",
     "FitResult",
@@ -54,6 +57,7 @@ __all__ = (
     "PeerFailed",
     "PeerLost",
     "LostRank",
+    "MembershipChange",
     "ReplicasDiverged",
     "Session",
     "SessionClosed",

@@ -28,6 +28,7 @@ from ._core.devices import DeviceSpec, parse_devices
 from ._core.session.service import SessionSlot
 from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
+from .elastic import Elastic
 from .errors import ConfigError, InputTypeError
 from ._core.session.fit import FitLoopSettings
 from .result import FitResult, FitStats
@@ -126,6 +127,16 @@ class Engine:
         another device inside a device's job (a ``loss_fn``, a hook, a
         custom autograd Function that waits on a peer) waits for a device
         that cannot run until it returns: use ``"per_device"`` for that.
+    :param elastic: ``True``, or a :class:`gsync.Elastic`, to go on when a
+        rank is lost: the survivors agree on a new membership, re-form the
+        group on the same store and redo the interrupted step with the same
+        global batch split over themselves; a process started again with the
+        same command and environment joins at the next step boundary and is
+        sent the state over the group (``FitResult.membership`` records each
+        change; each is logged at WARNING). A rank whose own code raised still
+        ends the run on every rank. Host the store outside the ranks
+        (torchrun's agent store, or ``store=``) so any rank may be lost; see
+        the elastic runs page of the docs.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -143,6 +154,7 @@ class Engine:
         store: dist.Store | None = None,
         compression: Literal["bf16", "fp16"] | CompressionHook | None = None,
         device_threads: Literal["auto", "shared", "per_device"] = "auto",
+        elastic: bool | Elastic = False,
     ) -> None:
         self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
@@ -161,7 +173,14 @@ class Engine:
             raise ConfigError(f"device_threads must be 'auto', 'shared' or 'per_device', got {device_threads!r}")
         self.process_group = process_group
         self.store = store
-        self.distributed = should_use_distributed(process_group)
+        self.elastic: Elastic | None = Elastic.of(elastic)
+        """How the run changes membership when a rank is lost or joins (``None``: it does not; a loss ends it)."""
+        if self.elastic is not None and process_group is not None:
+            raise ConfigError(
+                "elastic=... builds each membership's group itself on the run's store, so it cannot use a "
+                "process_group you made: drop process_group= (pass store= to say where the store is)"
+            )
+        self.distributed = should_use_distributed(process_group) or self.elastic is not None
         if devices is None and self.distributed:
             devices = _default_devices_of_this_process()
         self.devices: list[DeviceSpec] = parse_devices(devices)
@@ -220,6 +239,7 @@ class Engine:
             distributed=self.distributed,
             process_group=self.process_group,
             store=self.store,
+            elastic=self.elastic,
             trace=self.trace,
             trace_file=self.trace_file,
             site_hooks=tuple(self.site_hooks),

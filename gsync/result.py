@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .checkpoint import Checkpoint
+from .elastic import MembershipChange
 from .trace import Trace
 
 __all__ = ("FitResult", "FitStats", "StepRecord", "StepResult")
@@ -63,6 +64,8 @@ class FitResult:
     """The timeline of the fit, when the engine was built with ``trace=True`` (or a ``Trace``, or a file path)."""
     history: list[StepRecord] = field(default_factory=list)
     """One record per step this fit ran: step, epoch, loss, lr, rows, seconds."""
+    membership: tuple[MembershipChange, ...] = ()
+    """Every change of an elastic run's membership during this fit (``Engine(elastic=...)``), first first."""
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,5 @@ class StepResult:
     """The reduced gradient's total norm before clipping, when ``clip_grad_norm`` is set."""
     skipped: bool = False
     """The update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""
+    world_size: int = 1
+    """The number of processes that took part in the step (an elastic run's changes with its membership)."""

@@ -39,12 +39,14 @@ call does when things go wrong:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import sys
 import threading
+import time
 import warnings
 import weakref
-from collections.abc import AsyncIterable, Generator, Iterable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -57,7 +59,9 @@ from ._core.session.service import SessionService, SessionSlot
 from ._core.settings import EngineSettings
 from .checkpoint import Checkpoint
 from ._core.step.context import Recipe
-from .errors import ConfigError, SessionClosed
+from .elastic import MembershipChange
+from .errors import ConfigError, GsyncError, SessionClosed
+from ._core.elastic.recovery import recoverable
 from ._core.session.fit import FitLoopSettings, run_fit
 from ._core.session.outcome import is_cancellation
 from .result import FitResult, FitStats, StepResult
@@ -188,10 +192,65 @@ class Session:
         """
         self._check_call()
         try:
-            return await self._core.step(batches, last=False)
+            result = await self._step(batches, last=False)
+            if result is None:
+                # The new membership started after this step: a member that had applied it handed its state over.
+                core = self._core
+                return StepResult(step=core.next_step - 1, loss=math.nan, lr=math.nan, rows=0, seconds=0.0, world_size=core.world_size)
+            return result
         except BaseException as error:
             await self._closed_by(error)
             raise
+
+    async def _step(
+        self,
+        batches: Sequence[Any],
+        last: bool,
+        on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
+        expected: int | None = None,
+    ) -> StepResult | None:
+        """Step ``expected`` (default: the next one); in an elastic run, carried across membership changes.
+
+        After a change the step is redone over the next generation, unless
+        that generation starts past it (a member that applied it handed its
+        state over, or this rank was taken back in later): then ``None``.
+        """
+        service = self._service
+        elastic = service.elastic
+        if elastic is None:
+            return await self._core.step(batches, last=last)
+        changes = len(elastic.changes)
+        since = self._core.last_applied_at
+        step = self._core.next_step if expected is None else expected
+        while True:
+            self._core = await service.current_core(self._core)
+            for change in elastic.changes[changes:]:
+                changes += 1
+                if on_change is not None:
+                    await on_change(change)
+            core = self._core
+            if core.next_step > step:
+                return None
+            try:
+                result = await core.step(batches, last=last)
+            except GsyncError as error:
+                if not recoverable(error):
+                    raise
+                if since is None:
+                    since = core.last_applied_at
+                continue
+            if since is not None and elastic.changes and elastic.changes[-1].step == result.step:
+                elastic.applied(result.step, time.monotonic() - since)
+            return result
+
+    def _membership_changes(self) -> tuple[MembershipChange, ...]:
+        elastic = self._service.elastic
+        return () if elastic is None else tuple(elastic.changes)
+
+    async def _after_change(self) -> SessionCore:
+        """The core serving the session now (an elastic run's change, if one is due, made first)."""
+        self._core = await self._service.current_core(self._core)
+        return self._core
 
     async def fit(
         self,
@@ -241,7 +300,7 @@ class Session:
         service.fit_task = anyio.get_current_task().id
         try:
             with scope:
-                return await run_fit(self, self._core, data, settings, result_model)
+                return await run_fit(self, await self._after_change(), data, settings, result_model, carry=self)
             raise self._core.failure or SessionClosed("the fit was ended by a close from another task")
         except BaseException as error:
             # A fit that raised, whatever raised it, leaves the ranks' loops apart: the session ends with it.
@@ -285,7 +344,7 @@ class Session:
         """
         self._check_call()
         try:
-            return await self._core.evaluate(data, metric_fn=metric_fn)
+            return await (await self._after_change()).evaluate(data, metric_fn=metric_fn)
         except BaseException as error:
             await self._closed_by(error)
             raise
@@ -308,7 +367,7 @@ class Session:
         """
         self._check_call()
         try:
-            return await self._core.all_reduce(value, op)
+            return await (await self._after_change()).all_reduce(value, op)
         except BaseException as error:
             await self._closed_by(error)
             raise

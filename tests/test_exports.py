@@ -24,6 +24,7 @@ PUBLIC = [
     "gsync.session",
     "gsync.testing",
     "gsync.trace",
+    "gsync.elastic",
     "gsync.types",
 ]
 # Re-exported at the top as well; gsync.testing is a namespace of its own (gsync.testing.fail, ...).

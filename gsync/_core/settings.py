@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from ..comm.compressed import CompressionHook
+    from ..elastic import Elastic
     from ..trace import Trace
     from .devices import DeviceSpec
     from .step.context import SiteHook
@@ -35,6 +36,7 @@ class EngineSettings:
     distributed: bool
     process_group: dist.ProcessGroup | None
     store: dist.Store | None
+    elastic: Elastic | None
     trace: bool | Trace | str | os.PathLike[str]
     trace_file: Path | None
     site_hooks: tuple[SiteHook, ...]

@@ -17,6 +17,7 @@ from torch import nn
 from ...errors import ConfigError
 from ..topology import Topology
 from .membership import GroupMembership
+from .waiting import broadcast_from
 
 __all__ = (
     "agree_on_order",
@@ -227,7 +228,7 @@ def _broadcast_bytes(member: GroupMembership, tensors: list[torch.Tensor]) -> No
         for tensor, offset in zip(tensors, offsets):
             raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             flat[offset : offset + raw.numel()].copy_(raw)
-    member.wait(dist.broadcast(flat, src=member.source_rank, group=member.group, async_op=True))
+    member.wait(broadcast_from(flat, member.group))
     if not source:
         for tensor, offset in zip(tensors, offsets):
             nbytes = tensor.numel() * tensor.element_size()
@@ -252,7 +253,7 @@ def agree_on_order(member: GroupMembership, order: Sequence[int]) -> list[int]:
             "parameters (same model, same requires_grad settings)"
         )
     agreed = torch.tensor(list(order), dtype=torch.int64).to(member.device)
-    member.wait(dist.broadcast(agreed, src=member.source_rank, group=member.group, async_op=True))
+    member.wait(broadcast_from(agreed, member.group))
     return [int(position) for position in agreed.tolist()]
 
 

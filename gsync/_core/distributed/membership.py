@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from .waiting import wait_work
+from .waiting import broadcast_from, wait_work
 
 __all__ = ("GroupMembership", "join", "should_use_distributed")
 
@@ -20,7 +20,7 @@ _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 _RUN_COUNTER = "gsync/runs"
 
 
-def _env_int(name: str, default: int | None = None) -> int:
+def env_int(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name, "")
     if raw == "":
         if default is None:
@@ -40,7 +40,7 @@ def should_use_distributed(process_group: dist.ProcessGroup | None) -> bool:
 
     :raises ~gsync.ConfigError: when ``WORLD_SIZE`` is set but not an integer.
     """
-    return process_group is not None or _env_int("WORLD_SIZE", 1) > 1
+    return process_group is not None or env_int("WORLD_SIZE", 1) > 1
 
 
 @dataclass(eq=False)
@@ -76,11 +76,6 @@ class GroupMembership:
     def namespace(self) -> str:
         """Prefix of every store key this membership writes."""
         return f"gsync/run{self.run_id}"
-
-    @property
-    def source_rank(self) -> int:
-        """Global rank of group rank 0, the source of every broadcast."""
-        return dist.get_global_rank(self.group, 0)
 
     def wait(self, work: dist.Work) -> None:
         """Wait for a collective launched with ``async_op=True``; see :func:`~gsync._core.distributed.waiting.wait_work`.
@@ -119,7 +114,7 @@ def _default_store_for(group: dist.ProcessGroup) -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
-def _create_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+def create_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     """The TCPStore env:// would build; gsync builds it itself so it can hold it for failure reports.
 
     Under torchrun's agent store (``TORCHELASTIC_USE_AGENT_STORE=True``) the
@@ -131,7 +126,7 @@ def _create_store(rank: int, world_size: int, timeout: timedelta) -> dist.TCPSto
             "environment variable MASTER_ADDR is not set: launch with torchrun (which sets MASTER_ADDR, "
             "MASTER_PORT, RANK and WORLD_SIZE), set them yourself, or pass process_group="
         )
-    port = _env_int("MASTER_PORT")
+    port = env_int("MASTER_PORT")
     if not 0 < port < 2**16:
         raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1-65535)")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -192,7 +187,8 @@ def join(
     created = False
     store_host: int | None = None
     if process_group is not None:
-        if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, dist.ProcessGroup):
+        # A bare gloo backend is an elastic run's group (built on its store for one generation).
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
             raise ConfigError(
                 f"process_group must be a torch.distributed.ProcessGroup this process belongs to, got {process_group!r}"
             )
@@ -204,13 +200,13 @@ def join(
         _check_backend(group, device_type)
         group_store = store if store is not None else dist.distributed_c10d._get_default_store()
     else:
-        world_size = _env_int("WORLD_SIZE")
-        rank = _env_int("RANK")
+        world_size = env_int("WORLD_SIZE")
+        rank = env_int("RANK")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: need 0 <= RANK < WORLD_SIZE")
         if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             store_host = 0
-        group_store = _fresh_prefix(store if store is not None else _create_store(rank, world_size, timeout), world_size)
+        group_store = _fresh_prefix(store if store is not None else create_store(rank, world_size, timeout), world_size)
         init_kwargs: dict[str, Any] = {}
         if backend == "nccl" and device is not None:
             # Binds the group to this device and sets up NCCL now, not at the first collective.
@@ -291,6 +287,6 @@ def _agree_run_id(group: dist.ProcessGroup, store: dist.Store, device: torch.dev
     value = torch.zeros(1, dtype=torch.int64, device=device)
     if group.rank() == 0:
         value.fill_(store.add(_RUN_COUNTER, 1))
-    work = dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+    work = broadcast_from(value, group)
     wait_work(work, abort, blocking=device.type != "cuda")
     return int(value.item())

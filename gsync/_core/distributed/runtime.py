@@ -39,7 +39,8 @@ from .agreement import (
     verify_same_start,
 )
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
-from .heartbeat import Heartbeat, Whereabouts
+from ..elastic.recovery import MembershipBroken
+from .heartbeat import STALE_AFTER_S, Heartbeat, Whereabouts
 from .membership import GroupMembership, join
 from .waiting import wait_work
 
@@ -47,7 +48,7 @@ __all__ = ("ProcessGroupAgreement", "ProcessGroupRuntime")
 
 # gloo's own timeout is set a little past gsync's, so gsync's SyncTimeout,
 # which names what is missing, fires first.
-_GROUP_TIMEOUT_MARGIN_S = 30.0
+GROUP_TIMEOUT_MARGIN_S = 30.0
 # How long a rank whose collective timed out waits for a peer's own report
 # before naming a live peer stuck from its heartbeat: a peer whose own timeout
 # fired at about the same time reports within it, and its report says more.
@@ -92,17 +93,22 @@ def agree_over(
     num_params: int,
     facts: StepFacts,
     process_local_rows: bool,
+    change_wanted: bool = False,
 ) -> AgreedStep:
     """One step's agreement over ``world_size`` ranks, whose sum of a CPU float64 tensor is ``all_reduce``.
+
+    ``change_wanted``: this rank wants the membership to change after this
+    step (an elastic run: a process knocked, or this rank leaves); the
+    agreed step says whether any rank did.
 
     See :meth:`ProcessGroupRuntime.agree_step`.
     """
     step = facts.step
-    values = torch.ones(num_params + 5, dtype=torch.float64)
+    values = torch.ones(num_params + 6, dtype=torch.float64)
     if facts.unused:
         values[list(facts.unused)] = 0.0
     rows = facts.rows if process_local_rows else 0
-    tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0]
+    tail = [1.0 if facts.skip else 0.0, rows, rows * rows, facts.loss, 1.0 if facts.last else 0.0, 1.0 if change_wanted else 0.0]
     values[num_params:] = torch.tensor(tail, dtype=torch.float64)
     values = all_reduce(values)
     if process_local_rows:
@@ -121,7 +127,7 @@ def agree_over(
             "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
         )
     unused = tuple(int(p) for p in torch.nonzero(values[:num_params] == 0).flatten().tolist())
-    return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]))
+    return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]), bool(values[num_params + 5] > 0))
 
 
 class ProcessGroupRuntime:
@@ -131,8 +137,15 @@ class ProcessGroupRuntime:
         topology: Topology,
         heartbeat: Heartbeat,
         host: dist.ProcessGroupGloo | None = None,
+        elastic: bool = False,
     ) -> None:
         self.membership = membership
+        self.elastic = elastic
+        """A generation of an elastic run: a peer that is gone is a membership change, not a failure to name."""
+        self.change_wanted = False
+        """Set (from any thread) when this rank wants the membership changed after the current step."""
+        self.change_after: int | None = None
+        """The step after which every rank agreed to change the membership (set in the communication thread)."""
         self.topology = topology
         self.board = FailureBoard(membership)
         self.heartbeat = heartbeat
@@ -150,6 +163,7 @@ class ProcessGroupRuntime:
         step_timeout: float,
         process_local_data: bool,
         abort: threading.Event,
+        elastic: bool = False,
     ) -> ProcessGroupRuntime:
         """Join the group and agree on the topology. Collective; blocks until every rank joined.
 
@@ -165,17 +179,19 @@ class ProcessGroupRuntime:
         membership = join(
             process_group,
             device_type,
-            step_timeout + _GROUP_TIMEOUT_MARGIN_S,
+            step_timeout + GROUP_TIMEOUT_MARGIN_S,
             store=store,
             device=first_device if device_type == "cuda" else None,
             abort=abort,
         )
-        heartbeat = Heartbeat(membership)
+        # An elastic run goes on without a silent peer as soon as its beat is stale; without elastic the run
+        # ends, so it waits longer for a collective to name the peer first.
+        heartbeat = Heartbeat(membership, lost_after_s=STALE_AFTER_S) if elastic else Heartbeat(membership)
         try:
             # Beating starts before the first collective, so once it completes
             # every rank's first beat is in the store.
             heartbeat.start()
-            host = host_group(membership, step_timeout + _GROUP_TIMEOUT_MARGIN_S)
+            host = host_group(membership, step_timeout + GROUP_TIMEOUT_MARGIN_S)
             topology = gather_topology(membership, local_devices)
             if process_local_data and topology.world_devices != local_devices * topology.world_size:
                 raise ConfigError(
@@ -187,7 +203,7 @@ class ProcessGroupRuntime:
             heartbeat.stop()
             membership.close()
             raise
-        return cls(membership, topology, heartbeat, host)
+        return cls(membership, topology, heartbeat, host, elastic)
 
     def prepare(self, replicas: Sequence[nn.Module], first_step: int) -> None:
         """Check every rank trains the same parameters from the same step, and start every replica from rank 0's
@@ -218,7 +234,12 @@ class ProcessGroupRuntime:
             different sizes, or their data ends at different steps
             (``facts.last``: this rank has no further step).
         """
-        return agree_over(self._sum_on_host, self.membership.world_size, num_params, facts, process_local_rows)
+        agreed = agree_over(
+            self._sum_on_host, self.membership.world_size, num_params, facts, process_local_rows, self.change_wanted
+        )
+        if agreed.change_membership:
+            self.change_after = facts.step
+        return agreed
 
     def _sum_on_host(self, values: torch.Tensor) -> torch.Tensor:
         if self.host is not None:
@@ -271,6 +292,8 @@ class ProcessGroupRuntime:
         """
         if isinstance(error, SyncTimeout) and (error.missing or error.stalled_devices):
             return error
+        if self.elastic:
+            return self._elastic_blame(error)
         reports: list[FailureReport] = []
         corroborations: list[FailureReport] = []
 
@@ -319,6 +342,26 @@ class ProcessGroupRuntime:
             blamed = peer_failed(corroborations[0])
         else:
             return error
+        blamed.__cause__ = error
+        return blamed
+
+    def _elastic_blame(self, error: GsyncError) -> GsyncError:
+        """An elastic run's blame: a peer's own failure ends the run as always; anything else changes the membership.
+
+        A failed peer publishes its report before it closes its group, so a
+        collective that failed on its closed connection finds the report at
+        once: no wait for heartbeats, whose silence the change does not need.
+        """
+        try:
+            report = self.board.peer_report()
+        except Exception:  # noqa: BLE001 - a store that is gone: the membership change finds out
+            report = None
+        blamed: GsyncError
+        if report is not None and report.error_type not in ("PeerLost", "MembershipBroken"):
+            blamed = peer_failed(report)
+        else:
+            step = getattr(error, "step", -1)
+            blamed = MembershipBroken(step, getattr(error, "bucket", None), "a member of the elastic run is gone", site=getattr(error, "site", None))
         blamed.__cause__ = error
         return blamed
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 import threading
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ..threads import FitAborted
 
-__all__ = ("WAIT_SLICE", "wait_work")
+__all__ = ("WAIT_SLICE", "broadcast_from", "wait_work")
 
 WAIT_SLICE = timedelta(milliseconds=50)
 """How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""
@@ -57,3 +58,20 @@ def wait_work(work: dist.Work, abort: threading.Event | None, *, blocking: bool 
                 break
     # Completed: returns at once, or raises the work's own error.
     work.wait()
+
+
+def broadcast_from(tensor: torch.Tensor, group: dist.ProcessGroup, root: int = 0) -> dist.Work:
+    """Launch a broadcast of ``tensor`` from group rank ``root`` over ``group`` (``async_op``); returns its work.
+
+    ``dist.broadcast`` names its source by global rank, which only groups
+    torch.distributed registered have. An elastic run's groups are built
+    directly on their store, as torchft builds its groups (they outlive no
+    default group, and a new one replaces them after a loss): those are told
+    the group rank through the backend's own call.
+    """
+    if group in dist.distributed_c10d._world.pg_group_ranks:
+        return dist.broadcast(tensor, src=dist.get_global_rank(group, root), group=group, async_op=True)
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    return group.broadcast([tensor], options)

@@ -39,6 +39,9 @@ from ...comm.base import Collective
 from ..step.context import ActorContext, Recipe, Shard
 from ..distributed import FailureReport, peer_failed
 from ..distributed.runtime import ProcessGroupRuntime
+from ..elastic.quorum import Generation
+from ..elastic.recovery import recoverable
+from ..elastic.watcher import ReformWatcher
 from ...errors import (
     ConfigError,
     DataFailed,
@@ -54,7 +57,7 @@ from ..data.feeder import BatchReader, check_batch_source
 from ..step.mailbox import Mailbox
 from ..step.messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
 from .outcome import first_failure, is_cancellation, raised_by_block
-from .peers import SessionPeers
+from .peers import MEMBERSHIP_CHANGING, SessionPeers
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
 from ..state.replicas import copy_replicas, equip_replicas
@@ -66,6 +69,7 @@ from ..topology import Topology
 from ...trace import Trace, finish_trace
 
 if TYPE_CHECKING:
+    from ..elastic.membership import ElasticMembership
     from ..settings import EngineSettings
 
 __all__ = ("ReduceOp", "SessionCore", "open_session")
@@ -90,8 +94,19 @@ class SessionCore(SessionPeers):
         recipe: Recipe,
         resume: Checkpoint | None,
         process_local_data: bool,
+        *,
+        replay: bool | None = None,
+        elastic: ElasticMembership | None = None,
     ) -> None:
         self._settings = settings
+        self._elastic = elastic
+        self._watcher: ReformWatcher | None = None
+        self.change_due = False
+        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
+        self.data_position: tuple[int, int] | None = None
+        """``(epoch, batches)`` of the fit's data consumed through the last step (set by the fit loop), for a joiner."""
+        self.last_applied_at: float | None = None
+        """When the last step was applied (``time.monotonic()``)."""
         self.model = model
         """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
         self._recipe = recipe
@@ -115,7 +130,7 @@ class SessionCore(SessionPeers):
         self._reported: BaseException | None = None
         self._peer_left: FailureReport | None = None
         # What the failure watcher and the heartbeat heard of other ranks, first news first.
-        self._peer_news: list[FailureReport | list[LostRank]] = []
+        self._peer_news: list[FailureReport | list[LostRank] | str] = []
         self._peer_news_arrived = anyio.Event()
         self._torn_down = False
         self._collective_what: str | None = None
@@ -125,7 +140,7 @@ class SessionCore(SessionPeers):
         """Set when the session should end: closed by its user, or failed (the service then leaves the task group)."""
         self.on_idle_failure: Callable[[], None] | None = None
         """Called once a failure that no operation waits for is settled (the scoped form cancels the user's block)."""
-        self.replay_pending = resume is not None
+        self.replay_pending = resume is not None if replay is None else replay
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
         self._cancellation: BaseException | None = None
         self._rng_before_resume: dict[str, Any] | None = None
@@ -338,6 +353,10 @@ class SessionCore(SessionPeers):
                 actor.shards.post(shard)
             applied = await self._await_applied(step)
         self._next_step = step + 1
+        self.last_applied_at = time.monotonic()
+        runtime = self._runtime
+        if runtime is not None and runtime.change_after == step:
+            self.change_due = True
         self.replay_pending = False
         if self._snapshot_wanted:
             self._refresh_snapshot()
@@ -349,6 +368,7 @@ class SessionCore(SessionPeers):
             seconds=time.perf_counter() - started,
             grad_norm=applied.grad_norm,
             skipped=applied.skipped,
+            world_size=self.world_size,
         )
 
     def _split(self, batches: Sequence[Any], step: int) -> tuple[list[Shard], int]:
@@ -601,10 +621,12 @@ class SessionCore(SessionPeers):
             # Joining, checks, reports and teardown of a process group all block:
             # they run in a thread of their own, never on the event loop.
             self._setup = WorkerThread("gsync-dist", loop)
+            elastic = self._elastic
+            generation = elastic.generation if elastic is not None else None
             self._runtime = await self._setup.run(
                 lambda: ProcessGroupRuntime.start(
-                    settings.process_group,
-                    settings.store,
+                    settings.process_group if generation is None else generation.group,
+                    settings.store if generation is None else generation.store,
                     settings.devices[0].type,
                     settings.devices[0].torch_device,
                     len(settings.devices),
@@ -612,9 +634,12 @@ class SessionCore(SessionPeers):
                     settings.sync_timeout * settings.devices_in_turn,
                     self._process_local,
                     self._abort,
+                    elastic=generation is not None,
                 )
             )
             await self._listen_to_peers()
+            if elastic is not None and generation is not None:
+                self._watch_membership(elastic, generation, loop)
         # Planned from the model itself, so a model with nothing to train is refused first.
         plan = plan_buckets(settings, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
         # A copy of the model per device takes tens of milliseconds for a 10M-parameter MLP (seconds for a large
@@ -649,6 +674,22 @@ class SessionCore(SessionPeers):
             ", ".join(spec.name for spec in settings.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
             "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
         )
+
+    def _watch_membership(self, elastic: ElasticMembership, generation: Generation, loop: LoopHandle) -> None:
+        """From now on, answer a membership change at once, and hear of processes that knock."""
+        runtime = _built(self._runtime)
+
+        def knocked() -> None:
+            runtime.change_wanted = True
+
+        def changing() -> None:
+            self._peer_news.append(MEMBERSHIP_CHANGING)
+            self._peer_news_arrived.set()
+            self._abort.set()  # threads inside the step's collectives leave them: the step is redone
+
+        watcher = ReformWatcher(_built(elastic.run), generation, lambda: loop.call_soon(changing), knocked)
+        self._watcher = watcher
+        watcher.start()
 
     # -- life: serve -----------------------------------------------------------------
 
@@ -689,6 +730,8 @@ class SessionCore(SessionPeers):
         if self._stepping and self._op_scope is not None:
             self._op_scope.cancel()  # the operation raises the failure
             return
+        if self._runtime is not None and self._runtime.elastic and recoverable(failure):
+            return  # the membership changes between calls: the next call waits for the next generation
         self.undelivered = failure
         if self.on_idle_failure is not None:
             self.on_idle_failure()
@@ -765,6 +808,8 @@ class SessionCore(SessionPeers):
         """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
         self._ended = True
         with anyio.CancelScope(shield=True):
+            if self._watcher is not None:
+                self._watcher.stop()
             await self._teardown()
             if self._session_mailbox is not None:
                 self._session_mailbox.discard()
@@ -808,9 +853,16 @@ async def open_session(
     *,
     resume: Checkpoint | None,
     process_local_data: bool,
+    replay: bool | None = None,
+    elastic: ElasticMembership | None = None,
 ) -> AsyncIterator[SessionCore]:
-    """The life of one session around the user's block; see :meth:`gsync.Engine.session`."""
-    session = SessionCore(settings, model, recipe, resume, process_local_data)
+    """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
+
+    ``replay``: a fit replays its data up to ``resume`` (default: whenever
+    resuming; an elastic generation after the first continues the fit in
+    place). ``elastic``: the run this session is one generation of.
+    """
+    session = SessionCore(settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic)
     raised: BaseException | None = None
     try:
         try:

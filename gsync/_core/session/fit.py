@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -30,11 +30,29 @@ from ...result import StepResult
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream
 
+    from ...elastic import MembershipChange
     from .core import SessionCore
 
 __all__ = ("FitLoopSettings", "check_callbacks", "run_fit")
 
-_CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end")
+_CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end", "on_membership_change")
+
+
+class MembershipCarry(Protocol):
+    """What carries a fit across an elastic run's membership changes: the session handle."""
+
+    _core: SessionCore
+    """The core serving the session now (replaced at each change)."""
+
+    async def _step(
+        self,
+        batches: Sequence[Any],
+        last: bool,
+        on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
+        expected: int | None = None,
+    ) -> StepResult | None: ...
+
+    def _membership_changes(self) -> tuple[MembershipChange, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -95,10 +113,12 @@ async def run_fit(
     data: Iterable[Any] | AsyncIterable[Any],
     settings: FitLoopSettings,
     result_model: nn.Module | None = None,
+    carry: MembershipCarry | None = None,
 ) -> FitResult:
     """The loop of one fit over an open session; ``result_model``: the result's model (default ``session.model``).
 
-    ``session`` is the public handle, which callbacks receive; the loop itself works on ``core``.
+    ``session`` is the public handle, which callbacks receive; the loop itself works on ``core``, or on the
+    core ``carry`` holds at each step (an elastic run's changes replace it).
 
     The caller closes the session if this raises (see :meth:`gsync.Session.fit`).
     """
@@ -115,7 +135,10 @@ async def run_fit(
         if checkpoints is not None and core.rank == 0
         else None
     )
-    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume)
+    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry)
+    # A fit that continues the run its state came from (a checkpoint, or the members' state when this process
+    # joined a running elastic run) reports the change that took it in.
+    changes_before = len(carry._membership_changes()) if carry is not None and resume is None else 0
     total = _total_steps(data, epochs, accumulate)
     display = Progress(total, core.next_step) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display
@@ -135,6 +158,7 @@ async def run_fit(
         # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
         # from it continues as one that never stopped, which would not have called on_fit_end there.
         # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
+        core = loop.core
         checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
         steps_before = core.next_step
         try:
@@ -164,6 +188,7 @@ async def run_fit(
         stats=core.stats,
         trace=core.trace,
         history=history,
+        membership=carry._membership_changes()[changes_before:] if carry is not None else (),
     )
 
 
@@ -179,9 +204,11 @@ class _FitLoop:
         history: list[StepRecord],
         writer: CheckpointWriter | None = None,
         resume: Checkpoint | None = None,
+        carry: MembershipCarry | None = None,
     ) -> None:
         self.session = session
-        self.core = core
+        self._core = core
+        self._carry = carry
         self.resume = resume
         self.position: tuple[int, int] | None = None
         """``(epoch, batches)`` of data consumed through the last step run (or replayed)."""
@@ -193,6 +220,21 @@ class _FitLoop:
         self._held: tuple[int, int, list[Any], tuple[int, int]] | None = None
         self._epochs_to_close: list[int] = []
         self._generators_restored = False
+
+    @property
+    def core(self) -> SessionCore:
+        """The core serving the session now."""
+        return self._core if self._carry is None else self._carry._core
+
+    async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
+        """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
+        if self._carry is None:
+            return await self._core.step(batches, last=last)
+
+        async def changed(change: MembershipChange) -> None:
+            await self.call("on_membership_change", self.session, change)
+
+        return await self._carry._step(batches, last, changed, step)
 
     async def call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -280,10 +322,12 @@ class _FitLoop:
             step, epoch, batches, position = held
             if self.resume is not None and step == self.resume.next_step:
                 self._restore_generators()
-            result = await self.core.step(batches, last=last)
+            result = await self._step(step, batches, last)
             self.position = position
-            self._record(result, epoch)
-            if self.writer is not None and self.writer.due(result.step):
+            self.core.data_position = position
+            if result is not None:
+                self._record(result, epoch)
+            if result is not None and self.writer is not None and self.writer.due(result.step):
                 due = replace(self.core.checkpoint(), data_position=position)
         try:
             if result is not None:

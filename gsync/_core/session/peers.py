@@ -18,6 +18,7 @@ import anyio
 from ...errors import SESSION_START, GsyncError, LostRank, PeerFailed, PeerLost, SyncFailed
 from ..distributed import FailureReport, peer_failed
 from ..distributed.heartbeat import Whereabouts, locate
+from ..elastic.recovery import MembershipBroken, recoverable
 from ..threads import FitAborted
 
 if TYPE_CHECKING:
@@ -37,9 +38,11 @@ logger = logging.getLogger("gsync")
 DIST_TEARDOWN_S = 10.0
 # The error type a rank publishes when it leaves its session normally.
 DEPARTED = "SessionClosed"
+# News from an elastic run's watcher: the membership is changing, and this generation's step ends.
+MEMBERSHIP_CHANGING = "membership changing"
 
 
-def departure(news: FailureReport | list[LostRank]) -> bool:
+def departure(news: FailureReport | list[LostRank] | str) -> bool:
     """Whether ``news`` is a rank leaving its session normally (a failure only for the operations it misses)."""
     return isinstance(news, FailureReport) and news.error_type == DEPARTED
 
@@ -59,7 +62,7 @@ class SessionPeers:
     _operation_over: LoopEvent | None
     _reported: BaseException | None
     _peer_left: FailureReport | None
-    _peer_news: list[FailureReport | list[LostRank]]
+    _peer_news: list[FailureReport | list[LostRank] | str]
     _peer_news_arrived: anyio.Event
     _collective_what: str | None
     _loop: LoopHandle | None
@@ -75,6 +78,8 @@ class SessionPeers:
         """
         await self._peer_news_arrived.wait()
         report = self._peer_news[0]
+        if isinstance(report, str):
+            raise MembershipBroken(self._next_step, None, "another member asked for a membership change")
         if isinstance(report, list):
             raise PeerLost(report)
         if departure(report) and not (self._stepping and self._operations_done >= report.operations):
@@ -135,7 +140,10 @@ class SessionPeers:
             if not failures:
                 raise
             news = failures[0]
-            failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
+            if isinstance(news, str):
+                failure = MembershipBroken(self.first_step - 1, None, "the membership changed while the session started", site=SESSION_START)
+            else:
+                failure = PeerLost(news) if isinstance(news, list) else peer_failed(news)
         except GsyncError:
             raise
         except Exception as error:  # noqa: BLE001 - the transport's error becomes gsync's, chained
@@ -168,6 +176,8 @@ class SessionPeers:
         runtime = self._runtime
         if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
             return
+        if runtime.elastic and recoverable(failure):
+            return  # not a failure of the run: its members change, and a report would end the others' sessions
         if runtime.store_unreachable():
             return  # a write to a store that does not answer would only hold the teardown up
         self._reported = failure

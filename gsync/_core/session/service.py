@@ -16,6 +16,9 @@ import logging
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import anyio
@@ -25,6 +28,9 @@ from ..step.context import Recipe
 from ...errors import SessionClosed
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
+from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
+from ..elastic.membership import ElasticMembership
+from ..elastic.recovery import recoverable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -86,25 +92,35 @@ class SessionService:
         """The scope of a ``session.fit`` in progress: a close from another task ends it."""
         self.fit_task: object = None
         """The task running that fit (its callbacks may call the session; other tasks may not)."""
+        self.elastic = (
+            ElasticMembership(settings.elastic, settings.store, settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S)
+            if settings.elastic is not None
+            else None
+        )
+        """The elastic run this session belongs to: each of its generations is served by a core of its own."""
+        self._change: Checkpoint | None = None
+        """The state a planned membership change starts from, once one is asked for."""
+        self._replaced = anyio.Event()
+        """Set when the core is replaced by the next generation's, or the session ends."""
+        self._change_error: BaseException | None = None
         _OPEN.add(self)
 
     async def run(self) -> None:
         """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
         try:
             with self._scope:
-                async with open_session(
-                    self._settings, self._model, self._recipe, resume=self._resume, process_local_data=self._process_local_data
-                ) as core:
-                    if self._scope.cancel_called:
-                        # Closed while it opened, and the start had nothing left to await: it ends here, as a
-                        # failed block would (the model is not written), and the opener says so.
-                        raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
-                    self.core = core
-                    self._opened.set()
-                    await core.end_requested.wait()
-                    self.closing = True
-                    if self._end_with is not None:
-                        raise self._end_with  # the session ends as the block of a failed `async with` would
+                elastic = self.elastic
+                resume, replay = self._resume, None
+                if elastic is not None:
+                    # Entering blocks in a rendezvous (or waits to be taken in): in a thread, left on the abort flag.
+                    with _aborting(elastic.abort):
+                        _generation, resume, handed_over = await anyio.to_thread.run_sync(elastic.enter, self._resume, abandon_on_cancel=True)
+                    replay = handed_over or self._resume is not None
+                while True:
+                    resume = await self._serve_generation(resume, replay)
+                    if resume is None:
+                        break
+                    replay = False
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
             ended = self.core
             if ended is None:
@@ -125,7 +141,85 @@ class SessionService:
         finally:
             self.closing = True
             self._opened.set()
+            self._replaced.set()
             self.done.set()
+
+    async def _serve_generation(self, resume: Checkpoint | None, replay: bool | None) -> Checkpoint | None:
+        """Serve one core until it ends; for an elastic run whose membership must change, the next one's state."""
+        elastic = self.elastic
+        core: SessionCore | None = None
+        try:
+            async with open_session(
+                self._settings, self._model, self._recipe, resume=resume, process_local_data=self._process_local_data,
+                replay=replay, elastic=elastic,
+            ) as core:
+                if self._scope.cancel_called:
+                    # Closed while it opened, and the start had nothing left to await: it ends here, as a
+                    # failed block would (the model is not written), and the opener says so.
+                    raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
+                self.core = core
+                self._opened.set()
+                replaced, self._replaced = self._replaced, anyio.Event()
+                replaced.set()
+                await core.end_requested.wait()
+                if self._change is None and not self._lost(core.failure):
+                    self.closing = True
+                if self._end_with is not None:
+                    raise self._end_with  # the session ends as the block of a failed `async with` would
+        except BaseException as error:
+            if elastic is None or self.closing or not self._lost(error):
+                raise
+            mine = resume if core is None or core.failure is None else getattr(core.failure, "checkpoint", None)
+            if mine is not None and core is not None:
+                mine = replace(mine, data_position=core.data_position or mine.data_position)
+        else:
+            if elastic is None or self.closing:
+                if elastic is not None:
+                    await anyio.to_thread.run_sync(elastic.finish)
+                return None
+            built = _opened_core(core)
+            mine = self._change if self._change is not None else getattr(built.failure, "checkpoint", None)
+            if mine is not None:
+                mine = replace(mine, data_position=built.data_position or mine.data_position)
+        self._change = None
+        if mine is None:
+            raise SessionClosed("the elastic session lost its state while its membership changed")
+        try:
+            with _aborting(elastic.abort):
+                _generation, state = await anyio.to_thread.run_sync(elastic.change, mine, abandon_on_cancel=True)
+        except BaseException as error:
+            self._change_error = error
+            self.closing = True
+            raise
+        return state
+
+    def _lost(self, error: BaseException | None) -> bool:
+        return self.elastic is not None and error is not None and recoverable(error)
+
+    async def current_core(self, core: SessionCore) -> SessionCore:
+        """The core that serves the session now: after a membership change, the next generation's.
+
+        A change every rank agreed on after the last step (someone knocked,
+        or leaves) is made here, before the next call; a change after a loss
+        is already under way. Waits for the next generation.
+
+        :raises: what ended the run instead (below ``min_world_size``, a rank
+            left out, the store gone), with this rank's checkpoint.
+        """
+        if self.elastic is None:
+            return core
+        if core.change_due and core.usable and self.core is core and not self.closing:
+            checkpoint = await anyio.to_thread.run_sync(core.checkpoint)
+            self._change = checkpoint
+            core.end_requested.set()
+        elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
+            return core
+        while self.core is core and not self.done.is_set():
+            await self._replaced.wait()
+        if self.core is core:
+            error = self._change_error or core.failure or SessionClosed("the session closed while its membership changed")
+            raise error
+        return _opened_core(self.core)
 
     async def wait_open(self) -> SessionCore:
         """Wait until the session serves, and return its core.
@@ -243,3 +337,19 @@ class SessionService:
                 "gsync: the session opened at %s failed, and was dropped before any call raised it: %s: %s",
                 self.opened_at, type(pending).__name__, pending,
             )
+
+
+def _opened_core(core: SessionCore | None) -> SessionCore:
+    if core is None:
+        raise SessionClosed("the session is not open")
+    return core
+
+
+@contextmanager
+def _aborting(abort: threading.Event) -> Iterator[None]:
+    """A thread's rendezvous or wait leaves on ``abort``, set when the waiting task is cancelled (a close)."""
+    try:
+        yield
+    except BaseException:
+        abort.set()
+        raise

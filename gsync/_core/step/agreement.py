@@ -39,6 +39,8 @@ class AgreedStep:
     unused: tuple[int, ...]
     skip: bool
     loss: float
+    change_membership: bool = False
+    """An elastic run changes its membership after this step (every rank agreed)."""
 
 
 class StepAgreement(Protocol):

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..distributed.waiting import wait_work
+from ..distributed.waiting import broadcast_from, wait_work
 from ...errors import ConfigError, GsyncError
 from ..topology import Topology
 
@@ -56,7 +56,7 @@ class ProcessGroupCollective:
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, abort: threading.Event | None = None) -> None:
-        if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, dist.ProcessGroup):
+        if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
             raise ConfigError(
                 "ProcessGroupCollective needs a torch.distributed.ProcessGroup this process belongs to; "
                 f"got {group!r}"
@@ -71,8 +71,6 @@ class ProcessGroupCollective:
             raise ConfigError(f"a process needs at least one local device, topology has {topology.local_devices}")
         self._group = group
         self._topology = topology
-        # Collectives name their source by global rank; translate once here.
-        self._source = dist.get_global_rank(group, 0)
         self._abort = abort
         self._closed = False
 
@@ -129,7 +127,7 @@ class ProcessGroupCollective:
         self._check(tensors, None)
         target = _contiguous(tensors[0])
         if target.numel() != 0:
-            work = dist.broadcast(target, src=self._source, group=self._group, async_op=True)
+            work = broadcast_from(target, self._group)
             wait_work(work, self._abort, blocking=not target.is_cuda)
         self._write_back(tensors, target)
 

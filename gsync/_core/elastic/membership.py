@@ -1,0 +1,152 @@
+"""An elastic session's membership over its life: entering the run, and each change, as the service drives them.
+
+Each generation is served by a session core of its own, built on that
+generation's group and started from the state the generation agreed on
+(:mod:`~gsync._core.elastic.handover`); the session service replaces one core
+with the next (:class:`~gsync._core.session.service.SessionService`). What
+fails here fails as a run that is not elastic does: below
+``min_world_size``, a store that is gone, a rank left out, each is a
+:class:`~gsync.PeerLost` (or the error the quorum met) with the checkpoint
+this rank holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import replace
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ...checkpoint import Checkpoint
+from ...elastic import Elastic, MembershipChange
+from ...errors import ConfigError, LostRank, PeerLost
+from ..distributed.membership import create_store, env_int
+from .handover import agree_state
+from .quorum import Decision, ElasticRun, Generation, NotAMember
+
+__all__ = ("ElasticMembership",)
+
+logger = logging.getLogger("gsync")
+
+
+class ElasticMembership:
+    """One process's view of the elastic run its sessions belong to. Its blocking methods run in a thread."""
+
+    def __init__(self, settings: Elastic, store: dist.Store | None, group_timeout_s: float) -> None:
+        self.settings = settings
+        self.launch_rank = env_int("RANK")
+        self.launch_world = env_int("WORLD_SIZE")
+        if not 0 <= self.launch_rank:
+            raise ConfigError(f"RANK={self.launch_rank} must be >= 0")
+        self._given_store = store
+        self._group_timeout = timedelta(seconds=group_timeout_s)
+        self.run: ElasticRun | None = None
+        self.changes: list[MembershipChange] = []
+        """Every change of this process's membership, first first."""
+        self.abort = threading.Event()
+        """Set to leave a rendezvous or a wait for admission (the session is being closed)."""
+
+    @property
+    def generation(self) -> Generation:
+        run = self.run
+        if run is None or run.current is None:
+            raise RuntimeError("the elastic run has no membership yet")
+        return run.current
+
+    def enter(self, resume: Checkpoint | None) -> tuple[Generation, Checkpoint | None, bool]:
+        """Start the run or join the running one; the state to start from, and whether it was handed over.
+
+        :raises ~gsync.ConfigError: for a store that cannot be reached, or a run that does not take this rank in.
+        """
+        store = self._given_store
+        if store is None:
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+                logger.warning(
+                    "gsync: elastic run on a store rank 0 hosts (MASTER_ADDR:MASTER_PORT): losing rank 0 ends the "
+                    "run; host the store outside the ranks (torchrun's agent, or Engine(store=...)) so any rank may go"
+                )
+            store = create_store(self.launch_rank, self.launch_world, self._group_timeout)
+        self.run = ElasticRun(store, self.launch_rank, self.launch_world, self.settings, self._group_timeout)
+        generation = self.run.enter(self.abort)
+        if generation.number == 0:
+            return generation, resume, False
+        state = agree_state(generation.group, None, self.abort)
+        self._record(generation.decision, state.next_step)
+        return generation, state, True
+
+    def change(self, mine: Checkpoint, *, leaving: bool = False) -> tuple[Generation, Checkpoint]:
+        """The next generation, formed, and the state it starts from; ``mine``: this rank's consistent state.
+
+        :raises ~gsync.PeerLost: below ``min_world_size``, when this rank was
+            left out, or when the store is gone; with ``mine`` as its checkpoint.
+        """
+        run = self._run()
+        before = self.generation
+        try:
+            decision = run.reform(self.abort, leaving=leaving)
+        except NotAMember as error:
+            # Alive but too late to answer: taken back in as a process that knocks, at the next step boundary.
+            logger.warning("gsync: %s; it knocks to be taken back in", error)
+            generation = run.rejoin(self.abort)
+            state = agree_state(generation.group, mine, self.abort)
+            self._record(generation.decision, state.next_step)
+            return generation, state
+        except Exception as error:  # noqa: BLE001 - a store that is gone ends the run as it would without elastic
+            raise self._lost(before, (), mine, f"the store could not be reached to agree on a new membership ({error})") from error
+        if len(decision.members) < self.settings.min_world_size:
+            raise self._lost(
+                before, decision.lost + decision.left, mine,
+                f"{len(decision.members)} rank(s) left, fewer than min_world_size={self.settings.min_world_size}",
+            )
+        decided = time.monotonic()
+        generation = run.form(decision)
+        formed = time.monotonic()
+        state = agree_state(generation.group, mine, self.abort)
+        logger.info(
+            "gsync: rank %d: membership decided, group formed in %.3f s, state agreed in %.3f s",
+            self.launch_rank, formed - decided, time.monotonic() - formed,
+        )
+        self._record(decision, state.next_step)
+        return generation, state
+
+    def leave(self) -> Decision:
+        """Depart from the run between steps (SIGTERM): the others change without waiting out a silence."""
+        return self._run().reform(self.abort, leaving=True)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            try:
+                self.run.finish()
+            except Exception:  # noqa: BLE001 - the next run finds the key and joins; the store may be gone
+                pass
+
+    def applied(self, step: int, seconds: float) -> None:
+        """The first step after the last change was applied: the change took ``seconds`` (see MembershipChange)."""
+        if self.changes and self.changes[-1].step == step and self.changes[-1].seconds == 0.0:
+            self.changes[-1] = replace(self.changes[-1], seconds=seconds)
+
+    def _record(self, decision: Decision, first_step: int) -> None:
+        reason = "joined" if not decision.lost and not decision.left else ("left" if not decision.lost else "lost")
+        change = MembershipChange(
+            first_step, tuple(sorted(decision.lost + decision.left)), decision.joined, len(decision.members), reason=reason
+        )
+        self.changes.append(change)
+        logger.warning("gsync: rank %d: %s", self.launch_rank, change)
+
+    def _lost(self, before: Generation, ranks: tuple[int, ...], mine: Checkpoint, why: str) -> PeerLost:
+        named = ranks or tuple(rank for rank in before.members if rank != self.launch_rank) or (self.launch_rank,)
+        error = PeerLost([LostRank(rank, mine.step, "elastic membership change", "", None, 0.0) for rank in named])
+        lost = ", ".join(map(str, ranks)) if ranks else "none named"
+        error.args = (f"the elastic run cannot go on after step {mine.step} (lost: {lost}): {why}",)
+        error.checkpoint = mine
+        error.last_step = mine.step if mine.step >= 0 else None
+        return error
+
+    def _run(self) -> ElasticRun:
+        if self.run is None:
+            raise RuntimeError("the elastic run was not entered")
+        return self.run

@@ -1,0 +1,273 @@
+"""Who the members of an elastic run are: the store protocol every rank follows to agree on one membership.
+
+The run lives under one prefix of its store (``gsync/elastic/restart<N>/run<R>``;
+``N`` is torchrun's restart count). Its memberships are numbered
+generations; generation ``g`` is a tuple of launch ranks (``RANK`` as each
+process started), and its group is a gloo group built on the store under
+``g<g>/pg`` (as torchft re-forms its groups: torch.distributed's own
+backend, a fresh prefix each time).
+
+A change of generation ``g`` is decided in the store, so every rank sees the
+same one:
+
+- whoever needs it (a rank whose collective failed, whose heartbeat says a
+  peer is silent, or whose step agreed that someone joins or leaves) counts
+  ``g<g>/reform`` up and *answers*: ``g<g>/in/<rank>``. Every member's
+  :class:`~gsync._core.elastic.watcher.ReformWatcher` thread waits on that key
+  and answers for its process at once, whatever its training threads are
+  doing; a rank that departs writes ``g<g>/left/<rank>`` instead;
+- a rank deciding waits until every member answered or left, or until
+  ``answer_within`` has passed since it began, then proposes the members
+  that answered, with the ranks that knocked (``knock<i>``) up to
+  ``max_world_size``, by ``compare_set`` on ``g<g>/next``: the first
+  proposal wins, and every rank reads the one stored.
+
+A process that finds the run active (``active``) knocks instead of starting
+one, and waits for a decision that takes it in.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import cast
+
+import msgspec
+import torch.distributed as dist
+
+from ...elastic import Elastic
+from ...errors import ConfigError
+from ..threads import FitAborted
+
+__all__ = ("Decision", "ElasticRun", "Generation", "NotAMember")
+
+# How often a rank deciding a change reads who has answered. Not a timed store.wait: TCPStore logs two C++
+# warnings for each wait that times out, and a client whose wait timed out can stall its next call for seconds.
+_POLL_S = 0.005
+# How often a process waiting to be taken in looks for the decision.
+_ADMISSION_POLL_S = 0.05
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """The next generation, as the store holds it: its members and what changed."""
+
+    generation: int
+    members: tuple[int, ...]
+    lost: tuple[int, ...] = ()
+    left: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
+    knocks_seen: int = 0
+    """Knocks counted when it was decided: later ones wait for a later change."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One membership of the run, with its group."""
+
+    number: int
+    members: tuple[int, ...]
+    group: dist.ProcessGroup
+    store: dist.Store
+    """The store under this generation's prefix (its failure reports and heartbeats)."""
+    decision: Decision
+
+    def rank_of(self, launch_rank: int) -> int:
+        return self.members.index(launch_rank)
+
+
+class NotAMember(Exception):
+    """This process was left out of the next membership (it did not answer in time)."""
+
+
+def _encode(decision: Decision) -> str:
+    # JSON: compare_set takes text.
+    return msgspec.json.encode(decision).decode()
+
+
+def _decode(raw: bytes) -> Decision:
+    return msgspec.json.decode(raw, type=Decision)
+
+
+class ElasticRun:
+    """One process's part in an elastic run on ``store``; every method blocks (store round trips, rendezvous)."""
+
+    def __init__(self, store: dist.Store, launch_rank: int, launch_world: int, settings: Elastic, group_timeout: timedelta) -> None:
+        self.store = store
+        self.launch_rank = launch_rank
+        self.launch_world = launch_world
+        self.settings = settings
+        self.group_timeout = group_timeout
+        self.scope = f"gsync/elastic/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.run: int | None = None
+        self.current: Generation | None = None
+        self._retired: list[dist.ProcessGroup] = []
+
+    def key(self, *parts: object) -> str:
+        return "/".join([self.scope, f"run{self.run}", *map(str, parts)])
+
+    # -- entering -------------------------------------------------------------
+
+    def enter(self, abort: threading.Event) -> Generation:
+        """Start the run with the launch's ``WORLD_SIZE`` ranks, or knock and wait to be taken into a running one."""
+        active = f"{self.scope}/active"
+        if self.store.check([active]):
+            self.run = int(self.store.get(active))
+            return self._join(abort)
+        # Every launch rank counts once per run it starts: the same run number on each.
+        self.run = (self.store.add(f"{self.scope}/starts", 1) - 1) // self.launch_world
+        first = Decision(0, tuple(range(self.launch_world)))
+        generation = self._form(first)
+        self.store.set(active, str(self.run))
+        return generation
+
+    def rejoin(self, abort: threading.Event) -> Generation:
+        """Knock on the run this process was left out of, and wait to be taken back in."""
+        return self._join(abort)
+
+    def _join(self, abort: threading.Event) -> Generation:
+        # The knock's name first, then its count: a member that counts it can read whose it is.
+        knock = self.store.add(self.key("knocks"), 1)
+        self.store.set(self.key(f"knock{knock}"), str(self.launch_rank))
+        number = int(self.store.get(self.key("current")))
+        # A generation formed after the knock counted it, or its watcher sees it as it starts; this one's
+        # watchers are woken.
+        self._wake(number, _decode(self.store.get(self.key(f"g{number}", "decided"))).members)
+        deadline = time.monotonic() + self.group_timeout.total_seconds()
+        while True:
+            decision = self._wait_decision(number, abort, deadline)
+            if self.launch_rank in decision.members:
+                return self._form(decision)
+            number = decision.generation
+
+    def _wait_decision(self, number: int, abort: threading.Event, deadline: float) -> Decision:
+        key = self.key(f"g{number}", "next")
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"rank {self.launch_rank} knocked on the running elastic run but was not taken in within "
+                    f"{self.group_timeout.total_seconds():g} s (it is full at max_world_size, or its members "
+                    "stopped changing steps)"
+                )
+            if abort.wait(_ADMISSION_POLL_S):
+                raise FitAborted
+        return _decode(self.store.get(key))
+
+    def _wake(self, number: int, members: tuple[int, ...]) -> None:
+        """Wake the watchers of generation ``number``'s members (after writing what they should find)."""
+        for member in members:
+            self.store.set(self.key(f"g{number}", f"wake/{member}"), "1")
+
+    # -- changing ---------------------------------------------------------------
+
+    def knocks(self) -> int:
+        """How many processes have knocked so far (one store round trip)."""
+        return self.store.add(self.key("knocks"), 0)
+
+    def reform(self, abort: threading.Event, leaving: bool = False) -> Decision:
+        """Decide the generation after the current one, with the others; ``leaving``: this rank departs.
+
+        :raises NotAMember: when the decision leaves this rank out (it answered too late).
+        """
+        current = self._current()
+        number = current.number
+        if leaving:
+            self.store.set(self.key(f"g{number}", f"left/{self.launch_rank}"), "1")
+        self.store.add(self.key(f"g{number}", "reform"), 1)
+        if not leaving:
+            self.answer(number)
+        self._wake(number, current.members)
+        next_key = self.key(f"g{number}", "next")
+        deadline = time.monotonic() + self.settings.answer_within
+        while not self.store.check([next_key]):
+            answered, left = self._roll_call(current)
+            if not leaving and (set(answered) | set(left) == set(current.members) or time.monotonic() > deadline):
+                self.store.compare_set(next_key, "", _encode(self._propose(current, answered, left)))
+                break
+            if abort.wait(_POLL_S):
+                raise FitAborted
+        decision = _decode(self.store.get(next_key))
+        if leaving:
+            return decision
+        if self.launch_rank not in decision.members:
+            raise NotAMember(
+                f"rank {self.launch_rank} answered the membership change after generation {number} too late and "
+                f"was left out (members now {list(decision.members)}); raise Elastic(answer_within=...) on a "
+                "machine this loaded"
+            )
+        return decision
+
+    def answer(self, number: int) -> None:
+        """Say this process is alive in the change after generation ``number`` (the watcher does, at once)."""
+        self.store.set(self.key(f"g{number}", f"in/{self.launch_rank}"), "1")
+
+    def _roll_call(self, current: Generation) -> tuple[list[int], list[int]]:
+        answered, left = [], []
+        for member in current.members:
+            if self.store.check([self.key(f"g{current.number}", f"left/{member}")]):
+                left.append(member)
+            elif self.store.check([self.key(f"g{current.number}", f"in/{member}")]):
+                answered.append(member)
+        return answered, left
+
+    def _propose(self, current: Generation, answered: list[int], left: list[int]) -> Decision:
+        knocks = self.knocks()
+        joined: list[int] = []
+        room = (self.settings.max_world_size or 2**31) - len(answered)
+        for index in range(current.decision.knocks_seen + 1, knocks + 1):
+            rank = int(self.store.get(self.key(f"knock{index}")))
+            if rank not in answered and rank not in joined and len(joined) < room:
+                joined.append(rank)
+        gone = set(current.members) - set(answered)
+        return Decision(
+            current.number + 1,
+            tuple(sorted(answered + joined)),
+            lost=tuple(sorted(gone - set(left))),
+            left=tuple(sorted(left)),
+            joined=tuple(sorted(joined)),
+            knocks_seen=knocks,
+        )
+
+    def form(self, decision: Decision) -> Generation:
+        """Build the decided generation's group (a rendezvous of its members) and make it the current one."""
+        return self._form(decision)
+
+    def _form(self, decision: Decision) -> Generation:
+        old = self.current
+        prefix = self.key(f"g{decision.generation}")
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"{prefix}/pg", self.store),
+            decision.members.index(self.launch_rank),
+            len(decision.members),
+            self.group_timeout,
+        )
+        # A bare backend, which torch's collective functions take as a group (gsync broadcasts through its own call).
+        generation = Generation(
+            decision.generation, decision.members, cast(dist.ProcessGroup, group), dist.PrefixStore(f"{prefix}/s", self.store), decision
+        )
+        self.current = generation
+        self.store.set(self.key(f"g{decision.generation}", "decided"), _encode(decision))
+        self.store.set(self.key("current"), str(decision.generation))
+        if old is not None:
+            self._retire(old.group)
+        return generation
+
+    def _retire(self, group: dist.ProcessGroup) -> None:
+        # Work a dead peer never completes may still be pending in the old group, and its destructor would
+        # wait for it: the group is kept until the run ends, so no thread of ours destroys it meanwhile.
+        self._retired.append(group)
+
+    def finish(self) -> None:
+        """The run ended normally on this rank: the last member to finish clears ``active`` for the next run."""
+        current = self.current
+        if current is None or self.run is None:
+            return
+        if self.store.add(self.key(f"g{current.number}", "finished"), 1) == len(current.members):
+            self.store.delete_key(f"{self.scope}/active")
+
+    def _current(self) -> Generation:
+        if self.current is None:
+            raise RuntimeError("the elastic run has no membership yet")
+        return self.current

@@ -1,0 +1,132 @@
+"""One rank of an elastic run, as the elastic tests start it: ``python elastic_job.py CONFIG_JSON RESULT_PATH``.
+
+The environment is torchrun's (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``: the test process hosts
+the store, as torchrun's agent would). The rank trains :func:`model` on
+:func:`global_batches` and saves what it ended with (or the error it raised).
+
+CONFIG: ``steps``; ``mode`` (``"fit"`` or ``"loop"``: the user's own
+``session.step`` loop); ``die`` (``{"rank", "step", "how"}``: that rank, in the
+forward pass of that step, kills itself with ``SIGKILL``, stops with
+``SIGSTOP``, or raises); ``wait_for_knock`` (``{"step"}``: after that step
+every rank waits until a process has knocked, so a restarted rank is taken
+in before the run ends); ``min_world_size``; ``answer_within``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+
+import anyio
+import anyio.to_thread
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import gsync
+
+FEATURES = 6
+ROWS = 12  # a global batch: 4 rows per rank on 3 ranks, 6 on 2, 3 on 4
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+
+
+def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS, FEATURES, generator=generator), torch.randn(ROWS, 1, generator=generator)) for _ in range(steps)]
+
+
+def optimizer(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+
+
+def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def first_knock_key() -> str:
+    # The elastic run's own key (gsync/_core/elastic/quorum.py): who knocked first on run 0, set as it knocks.
+    return f"gsync/elastic/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/run0/knock1"
+
+
+async def train(config: dict) -> dict:
+    rank = int(os.environ["RANK"])
+    last_applied = {"step": -1}
+    die = config.get("die")
+    world_sizes: list[int] = []
+    changes_seen: list[str] = []
+
+    def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if die is not None and die["rank"] == rank and last_applied["step"] == die["step"] - 1:
+            if die["how"] == "raise":
+                raise ValueError(f"rank {rank} fails at step {die['step']}")
+            os.kill(os.getpid(), signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP)
+        return loss(module, batch)
+
+    wait = config.get("wait_for_knock")
+    store = None
+    if wait is not None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
+
+    class Probe:
+        async def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
+            last_applied["step"] = result.step
+            world_sizes.append(result.world_size)
+            if wait is not None and result.step == wait["step"] and store is not None:
+                await anyio.to_thread.run_sync(store.wait, [first_knock_key()])
+
+        def on_membership_change(self, session: gsync.Session, change: gsync.MembershipChange) -> None:
+            changes_seen.append(str(change))
+
+    elastic = gsync.Elastic(min_world_size=config.get("min_world_size", 1), answer_within=config.get("answer_within", 1.0))
+    engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30)
+    data = global_batches(config["steps"])
+    trained = model()
+    if config.get("mode", "fit") == "fit":
+        result = await engine.fit(trained, data, optimizer=optimizer, loss_fn=loss_fn, callbacks=[Probe()], progress=False)
+        membership = [change for change in result.membership]
+        losses = result.losses
+        first_step = result.first_step
+    else:
+        probe = Probe()
+        losses = []
+        async with engine.session(trained, optimizer=optimizer, loss_fn=loss_fn) as session:
+            first_step = session.next_step
+            for batch in data[session.next_step :]:
+                step = await session.step(batch)
+                losses.append(step.loss)
+                await probe.on_step_end(session, step)
+        membership = []
+    return {
+        "state": {name: tensor.detach().clone() for name, tensor in trained.state_dict().items()},
+        "membership": [(c.step, c.lost, c.joined, c.world_size, c.seconds, c.reason) for c in membership],
+        "losses": losses,
+        "first_step": first_step,
+        "world_sizes": world_sizes,
+        "changes_seen": changes_seen,
+    }
+
+
+def main() -> None:
+    config, out = json.loads(sys.argv[1]), sys.argv[2]
+    # gsync logs each membership change at WARNING: timestamped in the rank's log the test prints on failure.
+    logging.basicConfig(format=f"%(asctime)s rank {os.environ['RANK']} pid {os.getpid()}: %(message)s", level=logging.INFO)
+    try:
+        outcome: dict = {"ok": True, **anyio.run(train, config)}
+    except BaseException as error:  # noqa: BLE001 - the test reads what this rank raised
+        outcome = {"ok": False, "type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+    torch.save(outcome, out)
+
+
+if __name__ == "__main__":
+    main()
