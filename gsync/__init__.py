@@ -11,6 +11,7 @@ from .engine import FitStats as FitStats
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
 from .errors import DataFailed as DataFailed
+from .errors import Departed as Departed
 from .errors import FitError as FitError
 from .errors import GsyncError as GsyncError
 from .errors import InputTypeError as InputTypeError
@@ -44,6 +45,7 @@ __all__ = (
     "Collective",
     "ConfigError",
     "DataFailed",
+    "Departed",
     "Elastic",
     "Engine",
     "FitError",

@@ -13,6 +13,7 @@ from typing import Any
 
 __all__ = (
     "GsyncError",
+    "Departed",
     "ConfigError",
     "InputTypeError",
     "MailboxClosed",
@@ -362,6 +363,17 @@ class SessionClosed(ConfigError):
 
     The message says which; a failure that closed it is ``__cause__``, and its
     ``last_step`` and ``checkpoint`` are this error's too.
+    """
+
+
+class Departed(GsyncError):
+    """This rank left its elastic run on purpose (SIGTERM: a preemption, a launcher tearing down).
+
+    It finished the step in flight, told the others, which went on without
+    waiting out a silence, and closed its session with the trained weights
+    written into the model. ``last_step`` is the last step it applied and
+    ``checkpoint`` its state then. Raised so the program ends as a SIGTERM
+    asks, rather than going on as if the training had run to its end.
     """
 
 

@@ -28,6 +28,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DistributedSampler
 
 import gsync
 
@@ -43,6 +44,24 @@ def model() -> nn.Module:
 def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [(torch.randn(ROWS, FEATURES, generator=generator), torch.randn(ROWS, 1, generator=generator)) for _ in range(steps)]
+
+
+LOCAL_ROWS = 36  # process-local data: a DistributedSampler over these, batches of 3 rows
+LOCAL_BATCH = 3
+
+
+def local_dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(2)
+    return torch.utils.data.TensorDataset(
+        torch.randn(LOCAL_ROWS, FEATURES, generator=generator), torch.randn(LOCAL_ROWS, 1, generator=generator)
+    )
+
+
+def reshard(sampler: DistributedSampler, world_size: int, rank: int) -> None:
+    """Point a DistributedSampler (drop_last=True) at a new membership; it takes effect from the next epoch."""
+    sampler.num_replicas, sampler.rank = world_size, rank
+    sampler.num_samples = len(sampler.dataset) // world_size  # type: ignore[arg-type]
+    sampler.total_size = sampler.num_samples * world_size
 
 
 def optimizer(params: object) -> torch.optim.Optimizer:
@@ -66,11 +85,16 @@ async def train(config: dict) -> dict:
     world_sizes: list[int] = []
     changes_seen: list[str] = []
 
+    signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
+    dying = die is not None and rank in (die["rank"] if isinstance(die["rank"], list) else [die["rank"]])
+    fired = {"done": False}
+
     def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if die is not None and die["rank"] == rank and last_applied["step"] == die["step"] - 1:
+        if dying and not fired["done"] and last_applied["step"] == die["step"] - 1:
+            fired["done"] = True
             if die["how"] == "raise":
                 raise ValueError(f"rank {rank} fails at step {die['step']}")
-            os.kill(os.getpid(), signal.SIGKILL if die["how"] == "kill" else signal.SIGSTOP)
+            os.kill(os.getpid(), signals[die["how"]])
         return loss(module, batch)
 
     wait = config.get("wait_for_knock")
@@ -87,13 +111,24 @@ async def train(config: dict) -> dict:
 
         def on_membership_change(self, session: gsync.Session, change: gsync.MembershipChange) -> None:
             changes_seen.append(str(change))
+            if sampler is not None:
+                reshard(sampler, session.world_size, session.rank)
 
     elastic = gsync.Elastic(min_world_size=config.get("min_world_size", 1), answer_within=config.get("answer_within", 1.0))
     engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30)
-    data = global_batches(config["steps"])
+    mode = config.get("mode", "fit")
+    sampler = None
+    data: object = global_batches(config["steps"])
+    if mode == "local":
+        dataset = local_dataset()
+        sampler = DistributedSampler(dataset, num_replicas=int(os.environ["WORLD_SIZE"]), rank=rank, shuffle=False, drop_last=True)
+        data = torch.utils.data.DataLoader(dataset, batch_size=LOCAL_BATCH, sampler=sampler, drop_last=True)
     trained = model()
-    if config.get("mode", "fit") == "fit":
-        result = await engine.fit(trained, data, optimizer=optimizer, loss_fn=loss_fn, callbacks=[Probe()], progress=False)
+    if mode in ("fit", "local"):
+        result = await engine.fit(
+            trained, data, optimizer=optimizer, loss_fn=loss_fn, callbacks=[Probe()], progress=False,
+            epochs=config.get("epochs", 1), process_local_data=mode == "local",
+        )
         membership = [change for change in result.membership]
         losses = result.losses
         first_step = result.first_step
@@ -102,7 +137,7 @@ async def train(config: dict) -> dict:
         losses = []
         async with engine.session(trained, optimizer=optimizer, loss_fn=loss_fn) as session:
             first_step = session.next_step
-            for batch in data[session.next_step :]:
+            for batch in global_batches(config["steps"])[session.next_step :]:
                 step = await session.step(batch)
                 losses.append(step.loss)
                 await probe.on_step_end(session, step)
@@ -124,8 +159,19 @@ def main() -> None:
     try:
         outcome: dict = {"ok": True, **anyio.run(train, config)}
     except BaseException as error:  # noqa: BLE001 - the test reads what this rank raised
-        outcome = {"ok": False, "type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+        outcome = {
+            "ok": False,
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": traceback.format_exc(),
+            "last_step": getattr(error, "last_step", None),
+        }
     torch.save(outcome, out)
+    if config.get("announce_done"):
+        # A survivor of a frozen peer exits only once gloo's threads stop waiting on it: the test kills the frozen
+        # process once every survivor has saved its outcome.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
+        store.set(f"test/done/{os.environ['RANK']}", "1")
 
 
 if __name__ == "__main__":

@@ -89,10 +89,12 @@ class ElasticRanks:
         """Until the process has stopped itself (SIGSTOP): the kernel says so, no polling."""
         os.waitid(os.P_PID, self._processes[name].pid, os.WSTOPPED | os.WNOWAIT)
 
-    def results(self, timeout: float) -> dict[str, dict[str, Any]]:
-        """Every process's saved outcome once all have ended (those killed have none)."""
+    def results(self, timeout: float, only: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """Every process's (or ``only`` those named) saved outcome once they have ended (those killed have none)."""
         outcomes: dict[str, dict[str, Any]] = {}
         for name, process in self._processes.items():
+            if only is not None and name not in only:
+                continue
             try:
                 process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from tests.multiproc.elastic_job import global_batches, loss, model, optimizer
+from torch.utils.data import DistributedSampler
+
+from tests.multiproc.elastic_job import LOCAL_BATCH, global_batches, local_dataset, loss, model, optimizer, reshard
 from tests.multiproc.elastic_ranks import ElasticRanks
 
 STEPS = 10
@@ -37,8 +39,8 @@ def assert_equal_to(expected: dict[str, torch.Tensor], outcome: dict[str, Any]) 
         torch.testing.assert_close(outcome["state"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
-def survivors(ranks: ElasticRanks, names: list[str], timeout: float = 90) -> dict[str, dict[str, Any]]:
-    outcomes = ranks.results(timeout)
+def survivors(ranks: ElasticRanks, names: list[str], timeout: float = 90, *, only: bool = False) -> dict[str, dict[str, Any]]:
+    outcomes = ranks.results(timeout, names if only else None)
     for name in names:
         assert name in outcomes and outcomes[name]["ok"], f"rank {name}: {outcomes.get(name)}\n{ranks.logs()}"
     return outcomes
@@ -115,3 +117,91 @@ def test_the_killed_rank_started_again_rejoins_and_all_three_end_equal() -> None
     joiner = outcomes[again]
     assert joiner["first_step"] == joiner["membership"][0][0] > 7
     assert joiner["world_sizes"] == [3] * len(joiner["world_sizes"])
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_rank_is_dropped_after_its_silence() -> None:
+    config = {"steps": STEPS, "die": {"rank": 2, "step": 4, "how": "stop"}, "announce_done": True}
+    with ElasticRanks(3, config) as ranks:
+        ranks.wait_stopped("2")
+        ranks.store.wait(["test/done/0", "test/done/1"])
+        # The survivors' old group still waits on the frozen peer in gloo's own threads, which would hold their
+        # exit until the group's timeout; a frozen process is killed in the end (a scheduler would).
+        ranks.signal("2", signal.SIGKILL)
+        outcomes = survivors(ranks, ["0", "1"], only=True)
+    expected = uninterrupted()
+    for rank in ("0", "1"):
+        assert_equal_to(expected, outcomes[rank])
+        (change,) = outcomes[rank]["membership"]
+        assert change[1:4] == ((2,), (), 2), change
+        # Silence is how a frozen rank is told from a slow one: the heartbeat's stale limit (3 s) at least.
+        assert change[4] >= 2.5, change
+
+
+@pytest.mark.timeout(120)
+def test_two_of_four_ranks_lost_at_once() -> None:
+    config = {"steps": STEPS, "die": {"rank": [1, 2], "step": 4, "how": "kill"}}
+    with ElasticRanks(4, config) as ranks:
+        outcomes = survivors(ranks, ["0", "3"])
+    expected = uninterrupted()
+    for rank in ("0", "3"):
+        assert_equal_to(expected, outcomes[rank])
+        changes = outcomes[rank]["membership"]
+        assert {rank for change in changes for rank in change[1]} == {1, 2}, changes
+        assert changes[-1][3] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once() -> None:
+    config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "term"}, "answer_within": 30.0}
+    with ElasticRanks(3, config) as ranks:
+        outcomes = survivors(ranks, ["0", "2"])
+    departed = outcomes["1"]
+    assert departed["type"] == "Departed", departed
+    assert departed["last_step"] in (4, 5), departed
+    expected = uninterrupted()
+    for rank in ("0", "2"):
+        assert_equal_to(expected, outcomes[rank])
+        (change,) = outcomes[rank]["membership"]
+        assert change[1:4] == ((1,), (), 2) and change[5] == "left", change
+        # Told, not found out: far below answer_within (30 s here), which a silent rank would cost.
+        assert change[4] < 10, change
+
+
+def process_local_reference(epochs: int, lost: int, at_step: int) -> dict[str, torch.Tensor]:
+    """The run with 3 ranks' own shards until ``at_step``, then the survivors': their batches, re-sharded by epoch."""
+    dataset = local_dataset()
+    samplers = {rank: DistributedSampler(dataset, 3, rank, shuffle=False, drop_last=True) for rank in range(3)}
+    members = [0, 1, 2]
+    reference = model()
+    optim = optimizer(reference.parameters())
+    step = 0
+    for _epoch in range(epochs):
+        shards = {rank: [list(sampler)[i : i + LOCAL_BATCH] for i in range(0, samplers[rank].num_samples, LOCAL_BATCH)] for rank, sampler in samplers.items() if rank in members}
+        for index in range(len(shards[members[0]])):
+            if step == at_step and lost in members:
+                members.remove(lost)
+            rows = [row for rank in members for row in shards[rank][index]]
+            x, y = dataset[rows]
+            optim.zero_grad()
+            loss(reference, (x, y)).backward()
+            optim.step()
+            step += 1
+        if lost not in members:
+            for new_rank, rank in enumerate(members):
+                reshard(samplers[rank], len(members), new_rank)
+    return reference.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_process_local_data_goes_on_with_the_survivors_batches_resharded_in_the_callback() -> None:
+    config = {"mode": "local", "steps": 0, "epochs": 3, "die": {"rank": 1, "step": 4, "how": "kill"}}
+    with ElasticRanks(3, config) as ranks:
+        outcomes = survivors(ranks, ["0", "2"])
+    expected = process_local_reference(epochs=3, lost=1, at_step=4)
+    for rank in ("0", "2"):
+        assert_equal_to(expected, outcomes[rank])
+        assert outcomes[rank]["changes_seen"] == ["membership change at step 4: lost rank(s) 1; 2 rank(s) now"]
+        # Epoch 0: 4 steps over 3 ranks' shards of 12 rows. Epoch 1 is lost rank 1's from step 4: the survivors'
+        # 4 steps of their 12 rows each. Epoch 2, re-sharded: 6 steps over 2 shards of 18 rows.
+        assert outcomes[rank]["world_sizes"] == [3] * 4 + [2] * 10

@@ -47,6 +47,8 @@ class ElasticMembership:
         self.run: ElasticRun | None = None
         self.changes: list[MembershipChange] = []
         """Every change of this process's membership, first first."""
+        self.departed = False
+        """This process left the run on purpose (SIGTERM)."""
         self.abort = threading.Event()
         """Set to leave a rendezvous or a wait for admission (the session is being closed)."""
 
@@ -113,12 +115,22 @@ class ElasticMembership:
         self._record(decision, state.next_step)
         return generation, state
 
+    @property
+    def leaving(self) -> bool:
+        return self.run is not None and self.run.leaving
+
+    def depart_soon(self) -> None:
+        """SIGTERM: leave at the next step boundary (its watcher stops answering for this process now)."""
+        if self.run is not None:
+            self.run.leaving = True
+
     def leave(self) -> Decision:
-        """Depart from the run between steps (SIGTERM): the others change without waiting out a silence."""
+        """Depart from the run between steps: the others change without waiting out a silence."""
+        self.departed = True
         return self._run().reform(self.abort, leaving=True)
 
     def finish(self) -> None:
-        if self.run is not None:
+        if self.run is not None and not self.departed:
             try:
                 self.run.finish()
             except Exception:  # noqa: BLE001 - the next run finds the key and joins; the store may be gone

@@ -103,6 +103,8 @@ class ElasticRun:
         self.scope = f"gsync/elastic/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self.run: int | None = None
         self.current: Generation | None = None
+        self.leaving = False
+        """This process is departing (SIGTERM): its watcher no longer answers for it."""
         self._retired: list[dist.ProcessGroup] = []
 
     def key(self, *parts: object) -> str:

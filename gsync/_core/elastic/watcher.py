@@ -60,7 +60,8 @@ class ReformWatcher:
         try:
             while not self._stopping.is_set():
                 if store.check([reform]):
-                    store.set(run.key(f"g{number}", f"in/{run.launch_rank}"), "1")
+                    if not run.leaving:  # a departing rank says so itself, at the step boundary
+                        store.set(run.key(f"g{number}", f"in/{run.launch_rank}"), "1")
                     self._on_reform()
                     return
                 if not knocked and store.add(knocks, 0) > seen:

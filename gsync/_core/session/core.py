@@ -506,6 +506,11 @@ class SessionCore(SessionPeers):
         return self._resume
 
     @property
+    def runtime(self) -> ProcessGroupRuntime | None:
+        """The process group's side of the session, once joined (``None`` in one process)."""
+        return self._runtime
+
+    @property
     def failure(self) -> BaseException | None:
         """What closed the session, if it did not end normally."""
         return self._failure
@@ -678,6 +683,7 @@ class SessionCore(SessionPeers):
     def _watch_membership(self, elastic: ElasticMembership, generation: Generation, loop: LoopHandle) -> None:
         """From now on, answer a membership change at once, and hear of processes that knock."""
         runtime = _built(self._runtime)
+        runtime.change_wanted = elastic.leaving  # a SIGTERM that came while this generation started
 
         def knocked() -> None:
             runtime.change_wanted = True

@@ -69,6 +69,7 @@ class SessionPeers:
     _setup: WorkerThread | None
     _runtime: ProcessGroupRuntime | None
     _actors: list[DeviceActor]
+    change_due: bool
 
     async def _watch_peers(self) -> None:
         """Wait for another rank's failure report and raise it as :class:`~gsync.PeerFailed`.
@@ -186,7 +187,8 @@ class SessionPeers:
 
     async def _announce_departure(self) -> None:
         runtime = self._runtime
-        if runtime is None:
+        if runtime is None or self.change_due:
+            # An elastic generation ending for a change every rank agreed on: nobody's loop went apart.
             return
         last = self._next_step - 1
         notice = FailureReport(

@@ -17,7 +17,9 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+import signal
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -25,7 +27,7 @@ import anyio
 
 from ...checkpoint import Checkpoint
 from ..step.context import Recipe
-from ...errors import SessionClosed
+from ...errors import Departed, SessionClosed
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
@@ -108,9 +110,11 @@ class SessionService:
     async def run(self) -> None:
         """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
         try:
-            with self._scope:
+            with self._scope, ExitStack() as stack:
                 elastic = self.elastic
                 resume, replay = self._resume, None
+                undo = self.watch_for_departure()
+                stack.callback(undo)
                 if elastic is not None:
                     # Entering blocks in a rendezvous (or waits to be taken in): in a thread, left on the abort flag.
                     with _aborting(elastic.abort):
@@ -193,6 +197,42 @@ class SessionService:
             raise
         return state
 
+    async def _depart(self, core: SessionCore, checkpoint: Checkpoint) -> None:
+        """Leave the run after the step every rank agreed on, close normally, and raise :class:`~gsync.Departed`."""
+        elastic = _elastic(self.elastic)
+        with _aborting(elastic.abort):
+            await anyio.to_thread.run_sync(elastic.leave, abandon_on_cancel=True)
+        self.closing = True
+        core.end_requested.set()
+        await self.wait_done()
+        departed = Departed(
+            f"rank {elastic.launch_rank} left the elastic run after step {checkpoint.step} on SIGTERM; the others go "
+            "on without it (its model holds the weights of that step)"
+        )
+        departed.checkpoint = checkpoint
+        departed.last_step = checkpoint.step
+        raise departed
+
+    def watch_for_departure(self) -> Callable[[], None]:
+        """On the main thread: SIGTERM makes this rank depart at the next step boundary. Returns the undo."""
+        elastic = self.elastic
+        if elastic is None or threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def depart(signum: int, frame: object) -> None:
+            elastic.depart_soon()
+            core = self.core
+            runtime = None if core is None else core.runtime
+            if runtime is not None:
+                runtime.change_wanted = True  # the next step's agreement tells every rank
+
+        previous = signal.signal(signal.SIGTERM, depart)
+
+        def undo() -> None:
+            signal.signal(signal.SIGTERM, previous)
+
+        return undo
+
     def _lost(self, error: BaseException | None) -> bool:
         return self.elastic is not None and error is not None and recoverable(error)
 
@@ -209,9 +249,17 @@ class SessionService:
         if self.elastic is None:
             return core
         if core.change_due and core.usable and self.core is core and not self.closing:
-            checkpoint = await anyio.to_thread.run_sync(core.checkpoint)
-            self._change = checkpoint
-            core.end_requested.set()
+            try:
+                checkpoint: Checkpoint | None = await anyio.to_thread.run_sync(core.checkpoint)
+            except SessionClosed:
+                # Another member began the change first, and this core ended for it meanwhile: the service goes
+                # on from the failure's checkpoint, as after a loss.
+                checkpoint = None
+            if checkpoint is not None and core.usable:
+                if self.elastic.leaving:
+                    await self._depart(core, replace(checkpoint, data_position=core.data_position))
+                self._change = checkpoint
+                core.end_requested.set()
         elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
             return core
         while self.core is core and not self.done.is_set():
@@ -353,3 +401,9 @@ def _aborting(abort: threading.Event) -> Iterator[None]:
     except BaseException:
         abort.set()
         raise
+
+
+def _elastic(membership: ElasticMembership | None) -> ElasticMembership:
+    if membership is None:
+        raise RuntimeError("this session is not elastic")
+    return membership
