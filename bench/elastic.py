@@ -8,8 +8,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
 
 - ``recovery``: 3 ranks, ``Engine(elastic=True)`` (default ``Elastic()``), rank 1 SIGKILLs itself in its
   ``loss_fn`` at step 4; the survivors' ``MembershipChange.seconds`` and the wall time from the kill (the time
-  the victim wrote just before ``os.kill``) to the survivors' next applied step (their ``on_step_end``
-  ``time.time()``: one machine, one clock). Goal <= 5 s.
+  the victim wrote just before ``os.kill``) to the survivors' next applied step, the first on 2 ranks (their
+  ``on_step_end`` ``time.time()``: one machine, one clock). Goal <= 5 s.
 - ``departure``: the same with SIGTERM (the rank finishes its step in flight and leaves): the wall time from
   the SIGTERM to the others' first step applied without it. Goal <= 1 s. Printed as not measured while gsync
   has no departure (no ``gsync.Departed``, or a trial run that did not depart cleanly).
@@ -22,6 +22,8 @@ Sections (``--only`` takes a comma-separated subset; default all):
   rank 1 started again at once by this script, as a scheduler would, rejoining at a step boundary) against
   ``torchrun --max-restarts 1`` with ``fit(checkpoint_dir=..., checkpoint_every=10, resume=checkpoint_dir)``
   (torchrun stops the survivor, starts both again, and they redo the steps since the newest checkpoint).
+  Also from each interrupted run's own timeline: its last step's time minus the kill, minus the steps left at
+  the kill at the run's pace before it (no second run in the difference, so less noisy on a shared machine).
 
 The store is hosted by this script (``TORCHELASTIC_USE_AGENT_STORE=True`` in the ranks, as torchrun's agent
 would host it), so any rank is losable. Every rank process is started with a timeout and killed (by pid) in a
@@ -108,7 +110,7 @@ def rank_main(config: dict[str, Any], out_dir: Path) -> None:
             os.kill(os.getpid(), signals[die["how"]])
         return loss_fn(model, batch)
 
-    outcome: dict[str, Any] = {"name": name, "rank": rank, "pid": os.getpid(), "fits": []}
+    outcome: dict[str, Any] = {"name": name, "rank": rank, "pid": os.getpid(), "fits": [], "current": None}
 
     def save() -> None:
         tmp = out_dir / f"rank.{name}.json.tmp"
@@ -127,6 +129,7 @@ def rank_main(config: dict[str, Any], out_dir: Path) -> None:
         if isinstance(elastic, dict):
             elastic = gsync.Elastic(**elastic)
         record: dict[str, Any] = {"elastic": bool(elastic), "times": times}
+        outcome["current"] = record
         started = time.time()
         model = make_mlp()
         kwargs: dict[str, Any] = {}
@@ -158,7 +161,17 @@ def rank_main(config: dict[str, Any], out_dir: Path) -> None:
     async def fits() -> None:
         for spec in config["fits"]:
             outcome["fits"].append(await one_fit(spec))
+            outcome["current"] = None
             save()
+
+    if not any(spec.get("elastic") for spec in config["fits"]):
+        # torchrun stops the ranks it restarts with SIGTERM: keep the steps this one applied, then die of it.
+        def stopped(signum: int, frame: object) -> None:
+            save()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, stopped)
 
     try:
         asyncio.run(fits())
@@ -646,7 +659,17 @@ def _restart_run(kind: str, steps: int, timeout: float) -> dict[str, Any]:
             back = _applied_at(fit, RESTART_KILL_STEP, killed_at)
             if back is not None:
                 phases[f"step {RESTART_KILL_STEP} applied"] = back - killed_at
-        return {"wall_s": ended - started, "first_step": fit.get("first_step"), "param_sum": fit["param_sum"],
+        timeline = None
+        if killed_at is not None:
+            # The run's own pace before the kill (rank 0 of the first attempt: torchrun's saved it on SIGTERM).
+            first = fit
+            if kind == "t1":
+                first = (outcomes.get("0.0") or {}).get("current") or {"times": []}
+            before = [row for row in first["times"] if row[1] < killed_at]
+            pace = _steady_period(before)
+            if pace == pace:
+                timeline = fit["times"][-1][1] - killed_at - (steps - RESTART_KILL_STEP) * pace
+        return {"wall_s": ended - started, "timeline_s": timeline, "first_step": fit.get("first_step"), "param_sum": fit["param_sum"],
                 "membership": fit.get("membership"), "step_s": _steady_period(fit["times"][:RESTART_KILL_STEP]),
                 "launch_to_first_step_s": fit["times"][0][1] - started if kind != "t1" else None, "phases": phases}
 
@@ -655,6 +678,7 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
     kinds = ("e0", "t0", "e1", "t1", "e2")
     walls: dict[str, list[float]] = {k: [] for k in kinds}
     costs: dict[str, list[float]] = {k: [] for k in ("e1", "e2", "t1")}
+    timeline: dict[str, list[float]] = {k: [] for k in ("e1", "e2", "t1")}
     sums: dict[str, list[float]] = {k: [] for k in kinds}
     phases: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
     startup: dict[str, list[float]] = {k: [] for k in kinds}
@@ -670,6 +694,8 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
                 continue
             walls[kind].append(run[kind]["wall_s"])
             sums[kind].append(run[kind]["param_sum"])
+            if run[kind]["timeline_s"] is not None:
+                timeline[kind].append(run[kind]["timeline_s"])
             for phase, value in run[kind]["phases"].items():
                 phases[kind].setdefault(phase, []).append(value)
             if run[kind]["launch_to_first_step_s"] is not None:
@@ -708,6 +734,13 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
         Row("4 failure cost: torchrun --max-restarts 1 + resume", costs["t1"], "s", None,
             f"{common}; elastic=False under torchrun, which stops rank 0 and starts both again; they resume from "
             "the newest checkpoint (resume=checkpoint_dir) and redo the steps since it"),
+        Row("4 the same from each run's timeline: elastic, alone", timeline["e1"], "s", None,
+            "the interrupted runs above, each against its own pace: rank 0's last applied step minus the kill, minus "
+            f"the {steps - RESTART_KILL_STEP} steps left at the kill at rank 0's median step period before it (no "
+            "second run in it, so less noisy on a shared machine; it leaves out process start and end)"),
+        Row("4 the same from each run's timeline: elastic, again", timeline["e2"], "s", None, "as above"),
+        Row("4 the same from each run's timeline: torchrun", timeline["t1"], "s", None,
+            "as above (rank 0's pace before the kill: its steps saved when torchrun SIGTERMed it)"),
         Row("4 elastic (started again) / torchrun", [c["e2"] / c["t1"] for c in per_repeat if "e2" in c and "t1" in c], "x", None,
             "the two rows above, repeat by repeat"),
         Row("4 elastic (alone) / torchrun", [c["e1"] / c["t1"] for c in per_repeat if "e1" in c and "t1" in c], "x", None,

@@ -1,6 +1,7 @@
 """Repeat every multi-process failure scenario many times and count the clean runs.
 
     .venv/bin/python bench/stress_failures.py [--repeats 30] [--hog] [--only NAME ...]
+    .venv/bin/python bench/stress_failures.py --only elastic --repeats 10 --hog   # the elastic scenarios only
 
 A run is clean when every rank that is meant to survive returns the expected
 gsync error *and* its process exits with status 0: a native abort during
@@ -8,6 +9,14 @@ shutdown (SIGABRT, ``terminate called without an active exception``) or a
 hang counts as a failure even if the error was right. ``--hog`` keeps one
 busy-looping process per core running beside the ranks, as a loaded CI
 machine would. The scenarios are the multi-process tests' own functions.
+
+The elastic scenarios (``elastic: ...``) run the elastic tests' rank job
+(``tests/multiproc/elastic_job.py``) through their harness
+(``elastic_ranks.ElasticRanks``, which hosts the store in this process, so any
+rank is losable): a run is clean when every survivor (and a restarted rank)
+ends its fit with exactly the parameters of the uninterrupted run, records the
+membership change(s) expected, and exits with status 0, and the killed rank
+died of its SIGKILL.
 
 Not a test: it takes minutes. CI runs each scenario once through pytest.
 """
@@ -34,6 +43,11 @@ import test_engine_multiprocess as scenarios  # noqa: E402
 import test_heartbeat_multiprocess as heartbeat_scenarios  # noqa: E402
 import test_session_multiprocess as session_scenarios  # noqa: E402
 from harness import RankResult, run_ranks  # noqa: E402
+
+# The elastic job and its harness import as the repository's modules (``tests.multiproc...``), as the tests do.
+_ROOT = str(_TESTS.parent)
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 Check = Callable[[list[RankResult]], str | None]
 
@@ -135,6 +149,120 @@ _SLOW_TO_EXIT = (
 )
 
 
+# -- elastic scenarios: a run each, with the store hosted here; the problem seen, or None ---------------------------
+
+_ELASTIC_STEPS = 10
+
+
+def _elastic_reference(steps: int) -> dict[str, Any]:
+    """The uninterrupted run's parameters: one plain loop over the same global batches (as the elastic tests)."""
+    from tests.multiproc.elastic_job import global_batches, loss, model, optimizer
+
+    reference = model()
+    optim = optimizer(reference.parameters())
+    for batch in global_batches(steps):
+        optim.zero_grad()
+        loss(reference, batch).backward()
+        optim.step()
+    return reference.state_dict()
+
+
+def _elastic_problem(names: list[str], expected: dict[str, Any], outcomes: dict[str, Any],
+                     codes: dict[str, int | None]) -> str | None:
+    import torch
+
+    for name in names:
+        outcome = outcomes.get(name)
+        if outcome is None or not outcome.get("ok"):
+            return f"rank {name} (exit status {codes.get(name)}) ended with {outcome and {k: outcome.get(k) for k in ('type', 'message', 'traceback')}}"
+        if codes.get(name) != 0:
+            return f"rank {name} ended its fit, then exited with status {codes.get(name)}"
+        for key, tensor in expected.items():
+            try:
+                torch.testing.assert_close(outcome["state"][key], tensor, rtol=1e-5, atol=1e-5)
+            except AssertionError as error:
+                return f"rank {name}: {key} differs from the uninterrupted run: {error}"
+    return None
+
+
+def _exit_codes(ranks: Any, names: list[str]) -> dict[str, int | None]:
+    codes: dict[str, int | None] = {}
+    for name in names:
+        try:
+            codes[name] = ranks.wait(name, 20)
+        except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired: still running, killed when the block ends
+            codes[name] = None
+    return codes
+
+
+def elastic_killed(victim: int) -> str | None:
+    """3 ranks, elastic; ``victim`` SIGKILLs itself mid-step (in loss_fn at step 4): the survivors end exact."""
+    from tests.multiproc.elastic_ranks import ElasticRanks
+
+    config = {"steps": _ELASTIC_STEPS, "die": {"rank": victim, "step": 4, "how": "kill"}}
+    kept = [str(rank) for rank in range(3) if rank != victim]
+    with ElasticRanks(3, config) as ranks:
+        try:
+            outcomes = ranks.results(90)
+        except AssertionError as error:  # a rank did not finish in time: every process was killed
+            return f"{error}\n{ranks.logs()}"
+        codes = _exit_codes(ranks, [str(rank) for rank in range(3)])
+        logs = ranks.logs()
+    if codes[str(victim)] != -signal.SIGKILL:
+        return f"rank {victim} should have died of its SIGKILL, exit status {codes[str(victim)]}\n{logs}"
+    problem = _elastic_problem(kept, _elastic_reference(_ELASTIC_STEPS), outcomes, codes)
+    if problem is None:
+        for name in kept:
+            changes = outcomes[name]["membership"]
+            if len(changes) != 1 or changes[0][1:4] != ((victim,), (), 2) or changes[0][5] != "lost":
+                problem = f"rank {name} recorded the membership changes {changes}, expected one: rank {victim} lost"
+                break
+    return None if problem is None else f"{problem}\n{logs}"
+
+
+def elastic_killed_and_restarted() -> str | None:
+    """3 ranks, elastic; rank 1 SIGKILLed at step 3, started again at once: it rejoins, and all three end exact."""
+    from tests.multiproc.elastic_ranks import ElasticRanks
+
+    steps = 14
+    # Every rank waits after step 7 until the restarted process has knocked, so it is taken in before the end.
+    config = {"steps": steps, "die": {"rank": 1, "step": 3, "how": "kill"}, "wait_for_knock": {"step": 7}}
+    with ElasticRanks(3, config) as ranks:
+        try:
+            killed = ranks.wait("1", 60)
+        except Exception as error:  # noqa: BLE001 - subprocess.TimeoutExpired
+            return f"rank 1 did not die at step 3 within 60 s ({error})\n{ranks.logs()}"
+        if killed != -signal.SIGKILL:
+            return f"rank 1 should have died of its SIGKILL, exit status {killed}\n{ranks.logs()}"
+        again = ranks.start(1, {"steps": steps})
+        names = ["0", "2", again]
+        try:
+            outcomes = ranks.results(90, names)
+        except AssertionError as error:
+            return f"{error}\n{ranks.logs()}"
+        codes = _exit_codes(ranks, names)
+        logs = ranks.logs()
+    problem = _elastic_problem(names, _elastic_reference(steps), outcomes, codes)
+    if problem is None:
+        for name in ("0", "2"):
+            changes = [(c[1], c[2], c[3]) for c in outcomes[name]["membership"]]
+            if changes != [((1,), (), 2), ((), (1,), 3)]:
+                problem = f"rank {name} recorded the membership changes {outcomes[name]['membership']}"
+                break
+    if problem is None:
+        joiner = outcomes[again]
+        if not joiner["membership"] or joiner["first_step"] != joiner["membership"][0][0]:
+            problem = f"the restarted rank started at step {joiner['first_step']} with membership {joiner['membership']}"
+    return None if problem is None else f"{problem}\n{logs}"
+
+
+ELASTIC_SCENARIOS: dict[str, Callable[[], str | None]] = {
+    "elastic: rank 1 SIGKILLed mid-step": partial(elastic_killed, 1),
+    "elastic: rank 0 SIGKILLed mid-step": partial(elastic_killed, 0),
+    "elastic: killed rank 1 restarted, rejoins": elastic_killed_and_restarted,
+}
+
+
 def _hog() -> None:
     while True:
         pass
@@ -152,30 +280,34 @@ def main() -> None:
         hogs = [multiprocessing.Process(target=_hog, daemon=True) for _ in range(os.cpu_count() or 1)]
         for hog in hogs:
             hog.start()
-    chosen = {
+    chosen: dict[str, Any] = {
         name: scenario
-        for name, scenario in SCENARIOS.items()
+        for name, scenario in {**SCENARIOS, **ELASTIC_SCENARIOS}.items()
         if args.only is None or any(part in name for part in args.only)
     }
     failures = 0
     try:
-        for name, (fn, check) in chosen.items():
+        for name, scenario in chosen.items():
             clean = 0
             started = time.monotonic()
-            target, fn_args = (fn.func, fn.args) if isinstance(fn, partial) else (fn, ())
             for attempt in range(args.repeats):
-                # The grace the tests give: the SIGKILL scenario's survivor may take longer to exit under load.
-                grace = 20.0 if target in _SLOW_TO_EXIT else 5.0
-                world = 3 if target is heartbeat_scenarios.data_stuck_on_rank_2_of_3 else 2
-                results = run_ranks(target, world, args=fn_args, timeout=80, failure_grace=grace)
-                problem = check(results)
+                if name in ELASTIC_SCENARIOS:
+                    problem = scenario()
+                else:
+                    fn, check = scenario
+                    target, fn_args = (fn.func, fn.args) if isinstance(fn, partial) else (fn, ())
+                    # The grace the tests give: the SIGKILL scenario's survivor may take longer to exit under load.
+                    grace = 20.0 if target in _SLOW_TO_EXIT else 5.0
+                    world = 3 if target is heartbeat_scenarios.data_stuck_on_rank_2_of_3 else 2
+                    results = run_ranks(target, world, args=fn_args, timeout=80, failure_grace=grace)
+                    problem = check(results)
                 if problem is None:
                     clean += 1
                 else:
                     print(f"  {name}, run {attempt + 1}: {problem}", flush=True)
             failures += args.repeats - clean
             per_run = (time.monotonic() - started) / max(args.repeats, 1)
-            print(f"{name:32s} {clean}/{args.repeats} clean   ({per_run:.1f} s per run)", flush=True)
+            print(f"{name:41s} {clean}/{args.repeats} clean   ({per_run:.1f} s per run)", flush=True)
     finally:
         for hog in hogs:
             hog.terminate()

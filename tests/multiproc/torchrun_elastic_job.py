@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -57,7 +58,9 @@ async def train(config: dict) -> dict:
     rank = os.environ["RANK"]
     coord = client(config["coord"]) if config.get("coord") else None
     store = client(config["store"]) if config.get("store") else None
-    knock_store = store if store is not None else None
+    knock_store = store
+    if knock_store is None and config.get("wait_for_join") is not None:
+        knock_store = client(f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
     hold = set(config.get("hold", ()))
     wait_for_join = config.get("wait_for_join")
     world_sizes: list[int] = []
@@ -68,7 +71,8 @@ async def train(config: dict) -> dict:
             world_sizes.append(result.world_size)
             step_times.append(time.time())
             if coord is not None and result.step in hold:
-                coord.set(f"ready/{result.step}/{rank}", str(os.getpid()))
+                mine = {"pid": os.getpid(), "agent": os.getppid(), "env": {name: os.environ.get(name) for name in ENV}}
+                coord.set(f"ready/{result.step}/{rank}", json.dumps(mine))
                 await anyio.to_thread.run_sync(coord.wait, [f"go/{result.step}"])
             if wait_for_join is not None and result.step == wait_for_join and knock_store is not None:
                 await anyio.to_thread.run_sync(knock_store.wait, [knock_key()])
@@ -89,6 +93,10 @@ async def train(config: dict) -> dict:
 def main() -> None:
     config, out = json.loads(sys.argv[1]), Path(sys.argv[2])
     pid = os.getpid()
+    if config.get("die_with_parent") and sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with its agent (or test)
     env = {name: os.environ.get(name) for name in ENV}
     (out / f"start-{pid}.json").write_text(json.dumps({"pid": pid, "time": time.time(), "env": env}))
     logging.basicConfig(format=f"%(asctime)s rank {env['RANK']} pid {pid}: %(message)s", level=logging.INFO)
@@ -99,6 +107,11 @@ def main() -> None:
     outcome.update(pid=pid, env=env, end=time.time())
     torch.save(outcome, out / f"result-{pid}.tmp")
     os.replace(out / f"result-{pid}.tmp", out / f"result-{pid}.pt")
+    if config.get("coord"):
+        try:
+            client(config["coord"]).set(f"done/{pid}", "1")
+        except Exception:  # noqa: BLE001 - the store's host is gone: the result file is there all the same
+            pass
     if not outcome["ok"]:
         sys.exit(1)  # as the error would: torchrun's agent sees this worker fail
 

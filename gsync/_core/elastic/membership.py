@@ -26,6 +26,7 @@ from ...elastic import Elastic, MembershipChange
 from ...errors import ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
 from .handover import agree_state
+from ..threads import FitAborted
 from .quorum import Decision, ElasticRun, Generation, NotAMember
 
 __all__ = ("ElasticMembership",)
@@ -87,33 +88,44 @@ class ElasticMembership:
             left out, or when the store is gone; with ``mine`` as its checkpoint.
         """
         run = self._run()
-        before = self.generation
-        try:
-            decision = run.reform(self.abort, leaving=leaving)
-        except NotAMember as error:
-            # Alive but too late to answer: taken back in as a process that knocks, at the next step boundary.
-            logger.warning("gsync: %s; it knocks to be taken back in", error)
-            generation = run.rejoin(self.abort)
-            state = agree_state(generation.group, mine, self.abort)
-            self._record(generation.decision, state.next_step)
-            return generation, state
-        except Exception as error:  # noqa: BLE001 - a store that is gone ends the run as it would without elastic
-            raise self._lost(before, (), mine, f"the store could not be reached to agree on a new membership ({error})") from error
-        if len(decision.members) < self.settings.min_world_size:
-            raise self._lost(
-                before, decision.lost + decision.left, mine,
-                f"{len(decision.members)} rank(s) left, fewer than min_world_size={self.settings.min_world_size}",
+        while True:
+            before = self.generation
+            try:
+                decision = run.reform(self.abort, leaving=leaving)
+            except NotAMember as error:
+                # Alive but too late to answer: taken back in as a process that knocks, at the next step boundary.
+                logger.warning("gsync: %s; it knocks to be taken back in", error)
+                generation = run.rejoin(self.abort)
+                state = agree_state(generation.group, mine, self.abort)
+                self._record(generation.decision, state.next_step)
+                return generation, state
+            except FitAborted:
+                raise
+            except Exception as error:  # noqa: BLE001 - a store that is gone ends the run as it would without elastic
+                raise self._lost(before, (), mine, f"the store could not be reached to agree on a new membership ({error})") from error
+            if len(decision.members) < self.settings.min_world_size:
+                raise self._lost(
+                    before, decision.lost + decision.left, mine,
+                    f"{len(decision.members)} rank(s) left, fewer than min_world_size={self.settings.min_world_size}",
+                )
+            decided = time.monotonic()
+            try:
+                generation = run.form(decision)
+                formed = time.monotonic()
+                state = agree_state(generation.group, mine, self.abort)
+            except FitAborted:
+                raise
+            except Exception as error:  # noqa: BLE001 - a member lost again while the group formed: change again
+                logger.warning("gsync: rank %d: the new membership %s did not form (%s); changing again", self.launch_rank, list(decision.members), error)
+                if run.current is None or run.current.number != decision.generation:
+                    run.not_formed(decision)
+                continue
+            logger.info(
+                "gsync: rank %d: membership decided, group formed in %.3f s, state agreed in %.3f s",
+                self.launch_rank, formed - decided, time.monotonic() - formed,
             )
-        decided = time.monotonic()
-        generation = run.form(decision)
-        formed = time.monotonic()
-        state = agree_state(generation.group, mine, self.abort)
-        logger.info(
-            "gsync: rank %d: membership decided, group formed in %.3f s, state agreed in %.3f s",
-            self.launch_rank, formed - decided, time.monotonic() - formed,
-        )
-        self._record(decision, state.next_step)
-        return generation, state
+            self._record(decision, state.next_step)
+            return generation, state
 
     @property
     def leaving(self) -> bool:

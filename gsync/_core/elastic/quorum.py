@@ -49,6 +49,9 @@ __all__ = ("Decision", "ElasticRun", "Generation", "NotAMember")
 _POLL_S = 0.005
 # How often a process waiting to be taken in looks for the decision.
 _ADMISSION_POLL_S = 0.05
+# How long a decided generation's group waits for its members to connect. They all answered moments ago, so
+# one that does not come is gone again: the members change again rather than wait out the collectives' timeout.
+FORM_TIMEOUT = timedelta(seconds=10)
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -243,8 +246,9 @@ class ElasticRun:
             dist.PrefixStore(f"{prefix}/pg", self.store),
             decision.members.index(self.launch_rank),
             len(decision.members),
-            self.group_timeout,
+            min(FORM_TIMEOUT, self.group_timeout),
         )
+        group._set_default_timeout(self.group_timeout)  # the collectives' own, once every member connected
         # A bare backend, which torch's collective functions take as a group (gsync broadcasts through its own call).
         generation = Generation(
             decision.generation, decision.members, cast(dist.ProcessGroup, group), dist.PrefixStore(f"{prefix}/s", self.store), decision
@@ -255,6 +259,11 @@ class ElasticRun:
         if old is not None:
             self._retire(old.group)
         return generation
+
+    def not_formed(self, decision: Decision) -> None:
+        """A decided generation whose group did not form: it becomes the one the next change starts from."""
+        old = self._current()
+        self.current = Generation(decision.generation, decision.members, old.group, old.store, decision)
 
     def _retire(self, group: dist.ProcessGroup) -> None:
         # Work a dead peer never completes may still be pending in the old group, and its destructor would

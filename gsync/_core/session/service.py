@@ -189,6 +189,11 @@ class SessionService:
         if mine is None:
             raise SessionClosed("the elastic session lost its state while its membership changed")
         try:
+            if elastic.leaving:
+                # SIGTERM came, and another member began the change first: this rank leaves in it.
+                with _aborting(elastic.abort):
+                    await anyio.to_thread.run_sync(elastic.leave, abandon_on_cancel=True)
+                raise _departed(elastic, mine)
             with _aborting(elastic.abort):
                 _generation, state = await anyio.to_thread.run_sync(elastic.change, mine, abandon_on_cancel=True)
         except BaseException as error:
@@ -205,13 +210,7 @@ class SessionService:
         self.closing = True
         core.end_requested.set()
         await self.wait_done()
-        departed = Departed(
-            f"rank {elastic.launch_rank} left the elastic run after step {checkpoint.step} on SIGTERM; the others go "
-            "on without it (its model holds the weights of that step)"
-        )
-        departed.checkpoint = checkpoint
-        departed.last_step = checkpoint.step
-        raise departed
+        raise _departed(elastic, checkpoint)
 
     def watch_for_departure(self) -> Callable[[], None]:
         """On the main thread: SIGTERM makes this rank depart at the next step boundary. Returns the undo."""
@@ -407,3 +406,13 @@ def _elastic(membership: ElasticMembership | None) -> ElasticMembership:
     if membership is None:
         raise RuntimeError("this session is not elastic")
     return membership
+
+
+def _departed(elastic: ElasticMembership, checkpoint: Checkpoint) -> Departed:
+    departed = Departed(
+        f"rank {elastic.launch_rank} left the elastic run after step {checkpoint.step} on SIGTERM; the others go "
+        "on without it (its checkpoint holds the state of that step)"
+    )
+    departed.checkpoint = checkpoint
+    departed.last_step = checkpoint.step
+    return departed
