@@ -184,6 +184,12 @@ class Engine:
         if devices is None and self.distributed:
             devices = _default_devices_of_this_process()
         self.devices: list[DeviceSpec] = parse_devices(devices)
+        if self.elastic is not None and any(spec.torch_device.type != "cpu" for spec in self.devices):
+            raise ConfigError(
+                "elastic=... runs on CPU devices over gloo only for now: re-forming an NCCL group after a loss "
+                "(aborting the old communicator) is not built yet; train on CUDA without elastic, and resume "
+                "from checkpoint_dir after a loss"
+            )
         on_cpu = all(spec.torch_device.type == "cpu" for spec in self.devices)
         if device_threads == "shared" and not on_cpu:
             raise ConfigError(

@@ -243,6 +243,10 @@ class Session:
                 elastic.applied(result.step, time.monotonic() - since)
             return result
 
+    @property
+    def _elastic(self) -> bool:
+        return self._service.elastic is not None
+
     def _membership_changes(self) -> tuple[MembershipChange, ...]:
         elastic = self._service.elastic
         return () if elastic is None else tuple(elastic.changes)

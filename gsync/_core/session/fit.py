@@ -54,6 +54,9 @@ class MembershipCarry(Protocol):
 
     def _membership_changes(self) -> tuple[MembershipChange, ...]: ...
 
+    @property
+    def _elastic(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class FitLoopSettings:
@@ -132,7 +135,8 @@ async def run_fit(
     # One rank writes: the replicas of every rank hold the same state.
     writer = (
         CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
-        if checkpoints is not None and core.rank == 0
+        # An elastic run's rank 0 can change: every rank is ready to write, and the current rank 0 writes.
+        if checkpoints is not None and (core.rank == 0 or (carry is not None and carry._elastic))
         else None
     )
     loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry)
@@ -168,7 +172,8 @@ async def run_fit(
         if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
             checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
         if writer is not None:
-            await writer.write(checkpoint)
+            if loop.core.rank == 0:
+                await writer.write(checkpoint)
             await writer.close()
     except BaseException:
         if writer is not None:
@@ -327,7 +332,7 @@ class _FitLoop:
             self.core.data_position = position
             if result is not None:
                 self._record(result, epoch)
-            if result is not None and self.writer is not None and self.writer.due(result.step):
+            if result is not None and self.writer is not None and self.core.rank == 0 and self.writer.due(result.step):
                 due = replace(self.core.checkpoint(), data_position=position)
         try:
             if result is not None:

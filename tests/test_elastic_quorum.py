@@ -1,0 +1,91 @@
+"""The elastic run's store protocol, with several members in threads of one process on one real TCPStore.
+
+Real gloo groups form over loopback; what is left out is the training, which the multi-process tests add.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import gsync
+from gsync._core.elastic.quorum import ElasticRun, NotAMember
+
+TIMEOUT = timedelta(seconds=20)
+
+
+def store_server() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+
+
+def member(server: dist.TCPStore, rank: int, world: int, settings: gsync.Elastic) -> ElasticRun:
+    client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
+    return ElasticRun(client, rank, world, settings, TIMEOUT)
+
+
+def started(server: dist.TCPStore, world: int, settings: gsync.Elastic) -> list[ElasticRun]:
+    runs = [member(server, rank, world, settings) for rank in range(world)]
+    abort = threading.Event()
+    with ThreadPoolExecutor(world) as pool:
+        generations = list(pool.map(lambda run: run.enter(abort), runs))
+    assert [g.number for g in generations] == [0] * world
+    return runs
+
+
+@pytest.mark.timeout(60)
+def test_the_members_that_answer_agree_on_one_membership_and_a_silent_one_is_left_out() -> None:
+    server = store_server()
+    settings = gsync.Elastic(answer_within=0.5)
+    runs = started(server, 3, settings)
+    abort = threading.Event()
+    # Rank 1 never answers (killed); ranks 0 and 2 both decide.
+    with ThreadPoolExecutor(2) as pool:
+        decisions = list(pool.map(lambda run: run.reform(abort), [runs[0], runs[2]]))
+    assert decisions[0] == decisions[1]
+    assert decisions[0].members == (0, 2) and decisions[0].lost == (1,) and decisions[0].generation == 1
+    with ThreadPoolExecutor(2) as pool:
+        groups = list(pool.map(lambda run: run.form(decisions[0]), [runs[0], runs[2]]))
+    assert [g.group.rank() for g in groups] == [0, 1] and groups[0].group.size() == 2
+    # Rank 1 comes back to life and tries to answer: it is told it was left out.
+    with pytest.raises(NotAMember, match="too late"):
+        runs[1].reform(abort)
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_knocks_is_taken_in_at_the_next_change_and_a_departure_needs_no_wait() -> None:
+    server = store_server()
+    settings = gsync.Elastic(answer_within=30.0)  # nobody is silent: no change below may wait for it
+    runs = started(server, 2, settings)
+    abort = threading.Event()
+    joiner = member(server, 5, 2, settings)
+    with ThreadPoolExecutor(3) as pool:
+        entering = pool.submit(joiner.enter, abort)
+        # The members see the knock (as their watcher threads do), then change together.
+        assert runs[0].knocks() == 1
+        decisions = list(pool.map(lambda run: run.reform(abort), runs))
+        list(pool.map(lambda run: run.form(decisions[0]), runs))
+        joined = entering.result(timeout=30)
+    assert decisions[0].members == (0, 1, 5) and decisions[0].joined == (5,)
+    assert joined.members == (0, 1, 5) and joined.group.rank() == 2
+    # Rank 1 leaves on purpose: the others decide at once, not after answer_within (30 s here).
+    with ThreadPoolExecutor(3) as pool:
+        leaving = pool.submit(runs[1].reform, abort, True)
+        decisions = list(pool.map(lambda run: run.reform(abort), [runs[0], joiner]))
+        assert leaving.result(timeout=30) == decisions[0]
+    assert decisions[0].members == (0, 5) and decisions[0].left == (1,) and decisions[0].lost == ()
+
+
+def test_elastic_settings_are_checked_before_any_work() -> None:
+    for bad in ({"min_world_size": 0}, {"min_world_size": 3, "max_world_size": 2}, {"answer_within": 0}, {"answer_within": True}):
+        with pytest.raises(gsync.ConfigError):
+            gsync.Elastic(**bad)  # type: ignore[arg-type]
+    with pytest.raises(gsync.ConfigError, match="elastic must be"):
+        gsync.Engine(["cpu"], elastic="yes")  # type: ignore[arg-type]
+    with pytest.raises(gsync.ConfigError, match="process_group"):
+        gsync.Engine(["cpu"], elastic=True, process_group=object())  # type: ignore[arg-type]
+    change = gsync.MembershipChange(step=4, lost=(1,), joined=(), world_size=2)
+    assert str(change) == "membership change at step 4: lost rank(s) 1; 2 rank(s) now"
