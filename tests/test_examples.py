@@ -89,3 +89,17 @@ def test_custom_loop_example_under_torchrun_matches_one_process(tmp_path: Path) 
     assert got[0] == pytest.approx(expected[0], abs=0.01), (one_process.stdout, two_processes.stdout)
     assert two_processes.stdout.count("training on ['cpu:0'] per process") == 1  # rank 0 only
     assert two_processes.stdout.count("sample: ") == 1
+
+
+@pytest.mark.timeout(300)
+def test_elastic_example_survives_a_kill_and_takes_the_rank_back() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "elastic.py")], capture_output=True, text=True, timeout=280
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    finals = [line for line in completed.stdout.splitlines() if "parameter checksum" in line]
+    assert len(finals) == 3, completed.stdout
+    checksums = {line.split("parameter checksum ")[1].split(",")[0] for line in finals}
+    assert len(checksums) == 1, finals  # all three ranks, the one started again included, hold one model
+    assert "launcher: kill -9 rank 1" in completed.stdout
+    assert sum("took in rank(s) 1" in line for line in completed.stdout.splitlines()) >= 2, completed.stdout
