@@ -65,6 +65,7 @@ def test_a_process_that_knocks_is_taken_in_at_the_next_change_and_a_departure_ne
     with ThreadPoolExecutor(3) as pool:
         entering = pool.submit(joiner.enter, abort)
         # The members see the knock (as their watcher threads do), then change together.
+        runs[0].store.wait([runs[0].key("knock1")])
         assert runs[0].knocks() == 1
         decisions = list(pool.map(lambda run: run.reform(abort), runs))
         list(pool.map(lambda run: run.form(decisions[0]), runs))

@@ -122,8 +122,8 @@ class SessionService:
                     replay = handed_over or self._resume is not None
                 while True:
                     resume = await self._serve_generation(resume, replay)
-                    if resume is None:
-                        break
+                    if resume is None or self.closing:
+                        break  # ended, or closed while its membership changed: the new generation's peers go on
                     replay = False
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
             ended = self.core
@@ -218,7 +218,10 @@ class SessionService:
         if elastic is None or threading.current_thread() is not threading.main_thread():
             return lambda: None
 
+        received: list[int] = []
+
         def depart(signum: int, frame: object) -> None:
+            received.append(signum)
             elastic.depart_soon()
             core = self.core
             runtime = None if core is None else core.runtime
@@ -229,6 +232,10 @@ class SessionService:
 
         def undo() -> None:
             signal.signal(signal.SIGTERM, previous)
+            if received and not elastic.departed:
+                # It came when no step followed to leave after (the session's last, or between sessions): it is
+                # not swallowed, but delivered as it would have been without the session.
+                signal.raise_signal(signal.SIGTERM)
 
         return undo
 
