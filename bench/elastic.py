@@ -36,7 +36,9 @@ torchrun start).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import os
 import resource
 import shutil
@@ -92,10 +94,10 @@ def rank_main(config: dict[str, Any], out_dir: Path) -> None:
 
     logging.basicConfig(format=f"%(asctime)s rank {rank} pid {os.getpid()}: %(message)s", level=logging.INFO)
     torch.set_num_threads(1)
-    die = config.get("die")
+    die: dict[str, Any] = config.get("die") or {}
     marker = Path(die["marker"]) if die else None
     # A process started again (by torchrun or by this script) finds the marker and does not die again.
-    dying = die is not None and rank == die["rank"] and marker is not None and not marker.exists()
+    dying = bool(die) and rank == die["rank"] and marker is not None and not marker.exists()
     signals = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
     last_applied = {"step": -1}
     fired = {"done": False}
@@ -316,13 +318,17 @@ class Job:
                         except (ProcessLookupError, PermissionError):
                             pass
                     proc.kill()
-            # Ranks torchrun started live in sessions of their own: their pid files name them.
+            # Ranks torchrun started live in sessions of their own: their pid files name them. A pid is killed
+            # only while its command line still names this job's folder (a pid that exited may be reused).
             for path in self.dir.glob("pid.*"):
                 try:
                     pid = int(path.read_text())
+                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                        if str(self.dir).encode() not in handle.read():
+                            continue
                     os.kill(pid, signal.SIGCONT)
                     os.kill(pid, signal.SIGKILL)
-                except (ValueError, ProcessLookupError, PermissionError):
+                except (ValueError, OSError):
                     pass
             for proc in self.procs.values():
                 try:
@@ -330,6 +336,7 @@ class Job:
                 except subprocess.TimeoutExpired:
                     pass
         finally:
+            self.store = None  # the last reference: the server closes
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -377,7 +384,7 @@ def _steady_period(times: list[list[float]], skip: int = 2, column: int = 1) -> 
     ``column`` 1: wall time; 3: the rank process's CPU time (all its threads).
     """
     ends = [row[column] for row in times]
-    periods = [b - a for a, b in zip(ends, ends[1:])][skip:]
+    periods = [b - a for a, b in itertools.pairwise(ends)][skip:]
     return statistics.median(periods) if periods else float("nan")
 
 
@@ -391,6 +398,7 @@ def _lost_one(how: str, steps: int, timeout: float) -> dict[str, Any]:
         job.wait(["1"], 15)  # a departing rank ends too; a killed one is gone already
         killed_at = job.kill_time()
         _require(killed_at is not None, "rank 1 never reached its step to die", job)
+        assert killed_at is not None
         outcomes = job.outcomes()
         survivors = [outcomes.get("0"), outcomes.get("2")]
         _require(all(s is not None and s["fits"] and s["fits"][0]["ok"] for s in survivors),
@@ -667,7 +675,7 @@ def _restart_run(kind: str, steps: int, timeout: float) -> dict[str, Any]:
                 first = (outcomes.get("0.0") or {}).get("current") or {"times": []}
             before = [row for row in first["times"] if row[1] < killed_at]
             pace = _steady_period(before)
-            if pace == pace:
+            if not math.isnan(pace):
                 timeline = fit["times"][-1][1] - killed_at - (steps - RESTART_KILL_STEP) * pace
         return {"wall_s": ended - started, "timeline_s": timeline, "first_step": fit.get("first_step"), "param_sum": fit["param_sum"],
                 "membership": fit.get("membership"), "step_s": _steady_period(fit["times"][:RESTART_KILL_STEP]),

@@ -48,10 +48,12 @@ _COMM_SPANS = frozenset({"all_reduce", "finish_step"})
 # The spans that belong to an optimizer step (not ``evaluate``, whose step is the last one trained).
 _STEP_SPANS = frozenset({"data", "forward", "backward", "optimizer", "all_reduce", "finish_step"})
 # Marks: instants recorded when a session ends other than normally.
-_MARKS = frozenset({"failed", "cancelled"})
+_MARKS = frozenset({"failed", "cancelled", "membership"})
 # Device index of the communication thread's events; of marks on the steps track.
 _COMM = -1
 _STEPS = -2
+MARK_TRACK = _STEPS
+"""The device index of a mark that belongs to no device or thread (a failure elsewhere, a membership change)."""
 # Chrome thread ids are unique across ranks (rank r's tracks are 1000 * (r + 1) + slot), so the
 # files of several ranks can be merged into one timeline without their tracks colliding.
 _TIDS_PER_RANK = 1000
@@ -63,7 +65,8 @@ class TraceEvent(msgspec.Struct, frozen=True, gc=False):
     name: str
     """``data``, ``forward``, ``backward``, ``optimizer``, ``evaluate`` (per device), ``all_reduce`` and
     ``finish_step`` (buffer broadcast and cross-process agreement) on the communication thread, or a mark:
-    ``failed`` or ``cancelled`` (an instant: ``start_us == end_us``)."""
+    ``failed``, ``cancelled`` or ``membership`` (an elastic run's change: ``error`` is its reason, ``message``
+    says who left and joined; an instant: ``start_us == end_us``)."""
     step: int
     device: int
     """Device index, -1 for the communication thread, or -2 for a mark that belongs to no device or thread
@@ -161,7 +164,8 @@ class Trace:
             if event.name in _MARKS:
                 args.update(error=event.error, message=event.message)
                 timed.append(
-                    {"name": f"{event.name}: {event.error}" if event.name == "failed" else event.name, "cat": "failure",
+                    {"name": f"{event.name}: {event.error}" if event.name in ("failed", "membership") else event.name,
+                     "cat": "membership" if event.name == "membership" else "failure",
                      "ph": "i", "s": "t", "pid": pid, "tid": tid, "ts": _us(event.start_us), "args": args}
                 )
                 continue

@@ -81,20 +81,20 @@ def first_knock_key() -> str:
 async def train(config: dict) -> dict:
     rank = int(os.environ["RANK"])
     last_applied = {"step": -1}
-    die = config.get("die")
     world_sizes: list[int] = []
     changes_seen: list[str] = []
-
     signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
-    dying = die is not None and rank in (die["rank"] if isinstance(die["rank"], list) else [die["rank"]])
-    fired = {"done": False}
+    dies = config.get("die_each") or ([config["die"]] if config.get("die") else [])
+    # This rank's deaths, each once: at its step, in the forward pass.
+    mine = [die for die in dies if rank in (die["rank"] if isinstance(die["rank"], list) else [die["rank"]])]
 
     def loss_fn(module: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        if dying and not fired["done"] and last_applied["step"] == die["step"] - 1:
-            fired["done"] = True
-            if die["how"] == "raise":
-                raise ValueError(f"rank {rank} fails at step {die['step']}")
-            os.kill(os.getpid(), signals[die["how"]])
+        for die in list(mine):
+            if last_applied["step"] == die["step"] - 1:
+                mine.remove(die)
+                if die["how"] == "raise":
+                    raise ValueError(f"rank {rank} fails at step {die['step']}")
+                os.kill(os.getpid(), signals[die["how"]])
         return loss(module, batch)
 
     wait = config.get("wait_for_knock")
@@ -115,7 +115,7 @@ async def train(config: dict) -> dict:
                 reshard(sampler, session.world_size, session.rank)
 
     elastic = gsync.Elastic(min_world_size=config.get("min_world_size", 1), answer_within=config.get("answer_within", 1.0))
-    engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30)
+    engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30, trace=True)
     mode = config.get("mode", "fit")
     sampler = None
     data: object = global_batches(config["steps"])
@@ -130,6 +130,7 @@ async def train(config: dict) -> dict:
             epochs=config.get("epochs", 1), process_local_data=mode == "local",
         )
         membership = [change for change in result.membership]
+        marks = [event.message for event in result.trace.select("membership")] if result.trace is not None else []
         losses = result.losses
         first_step = result.first_step
     else:
@@ -142,7 +143,9 @@ async def train(config: dict) -> dict:
                 losses.append(step.loss)
                 await probe.on_step_end(session, step)
         membership = []
+        marks = []
     return {
+        "marks": marks,
         "state": {name: tensor.detach().clone() for name, tensor in trained.state_dict().items()},
         "membership": [(c.step, c.lost, c.joined, c.world_size, c.seconds, c.reason) for c in membership],
         "losses": losses,

@@ -66,6 +66,7 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
         assert outcome["world_sizes"][:4] == [3, 3, 3, 3]
         assert outcome["world_sizes"][-1] == 2
         assert outcome["changes_seen"] == [f"membership change at step {step}: lost rank(s) {victim}; 2 rank(s) now"]
+        assert outcome["marks"] == outcome["changes_seen"]  # and marked on the trace of the generation it began
 
 
 @pytest.mark.timeout(120)
@@ -78,6 +79,17 @@ def test_a_rank_whose_loss_fn_raises_still_stops_everyone() -> None:
         assert not outcomes[rank]["ok"], outcomes[rank]
         assert outcomes[rank]["type"] == "PeerFailed", outcomes[rank]
         assert "rank 1" in outcomes[rank]["message"]
+
+
+@pytest.mark.timeout(120)
+def test_errors_name_ranks_by_their_launch_rank_after_a_change() -> None:
+    # Rank 0 is lost at step 2, so launch rank 2 is group rank 1 when its loss_fn raises at step 6.
+    config = {"steps": STEPS, "die_each": [{"rank": 0, "step": 2, "how": "kill"}, {"rank": 2, "step": 6, "how": "raise"}]}
+    with ElasticRanks(3, config) as ranks:
+        outcomes = ranks.results(90, ["1", "2"])
+    assert outcomes["2"]["type"] == "WorkerFailed", outcomes["2"]
+    assert outcomes["1"]["type"] == "PeerFailed", outcomes["1"]
+    assert outcomes["1"]["message"].startswith("rank 2 "), outcomes["1"]["message"]
 
 
 @pytest.mark.timeout(120)

@@ -74,7 +74,7 @@ class TorchrunJob:
         self.out = Path(self._tmp.name)
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         address = f"127.0.0.1:{self.store.port}"
-        self.config = {**config, "store": address, "coord": address, "hold": [HOLD], "die_with_parent": True}
+        self.config = {**config, "store": address, "coord": address, "hold": [HOLD], "die_with_parent": True, "dump_after": 50}
         self.agents: list[subprocess.Popen[bytes]] = []
         self.plain: list[subprocess.Popen[bytes]] = []
         self.env = dict(
@@ -159,7 +159,24 @@ class TorchrunJob:
         return pids
 
     def logs(self) -> str:
-        return "\n".join(f"--- {log.name} ---\n{log.read_text(errors='replace')[-4000:]}" for log in sorted(self.out.glob("*.log")))
+        """Each agent's and plain process's output (its workers' included), and the error each failed worker saved."""
+        parts = [f"--- {log.name} ---\n{log.read_text(errors='replace')[-8000:]}" for log in sorted(self.out.glob("*.log"))]
+        parts.append("agents: " + ", ".join(f"{agent.pid}: {agent.poll()}" for agent in self.agents))
+        parts.append("plain: " + ", ".join(f"{process.pid}: {process.poll()}" for process in self.plain))
+        parts.append("workers: " + ", ".join(f"{pid}: {_state(pid)}" for pid in self.worker_pids()))
+        for result in sorted(self.out.glob("result-*.pt")):
+            outcome = torch.load(result, weights_only=False)
+            if not outcome["ok"]:
+                parts.append(f"--- {result.name} (rank {outcome['env']['RANK']}) ---\n{outcome['traceback']}")
+        return "\n".join(parts)
+
+
+def _state(pid: int) -> str:
+    """A process's state as the kernel reports it (running, sleeping, zombie...), or "gone"."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
+    except (OSError, StopIteration):
+        return "gone"
 
 
 def _kill_group(pid: int) -> None:
@@ -186,8 +203,7 @@ def test_a_killed_worker_is_not_restarted_and_the_others_end_exact() -> None:
         # --max-restarts 0: the agent does not start the worker again; it fails (and closes the rendezvous).
         assert victim_agent.wait(60) == 1, job.logs()
         outcomes = job.results([workers[0]["pid"], workers[2]["pid"]])
-        started = {pid for pid in job.worker_pids()}
-        assert started == {worker["pid"] for worker in workers.values()}, "torchrun started a worker again"
+        assert set(job.worker_pids()) == {worker["pid"] for worker in workers.values()}, "torchrun started a worker again"
     expected = uninterrupted(steps)
     for outcome in outcomes.values():
         assert_equal_to(expected, outcome)
@@ -213,8 +229,10 @@ def test_a_lost_node_is_replaced_by_a_plain_process_and_all_end_exact() -> None:
         survivors = [workers[1]["pid"], workers[2]["pid"]]
         outcomes = job.results([*survivors, again.pid])
         assert again.wait(60) == 0, job.logs()
+        # No agent re-rendezvoused: the survivors are the workers torchrun started, and no other was started.
+        assert set(job.worker_pids()) == {*(worker["pid"] for worker in workers.values()), again.pid}
     expected = uninterrupted(steps)
-    for pid, outcome in outcomes.items():
+    for outcome in outcomes.values():
         assert_equal_to(expected, outcome)
     for pid in survivors:
         changes = outcomes[pid]["membership"]

@@ -11,15 +11,21 @@ batches as ``elastic_job.py`` and saves, in ``OUT_DIR``:
 - ``result-<pid>.pt`` as it ends: what it ended with, or the error it raised.
 
 CONFIG: ``steps``; ``store`` (optional, see above); ``answer_within``;
-``coord`` (optional ``"host:port"`` of a TCPStore the test hosts to pace the
-run without sleeping: after each step ``s`` listed in ``hold``, every worker
-sets ``ready/<s>/<RANK>`` there and waits until the test sets ``go/<s>``;
-after step ``wait_for_join`` every rank waits until a process has knocked
-on the elastic run, so a rank started again is taken in before the end).
+``dump_after`` (seconds: every thread's stack to the output then, if still
+running); ``die_with_parent`` (the worker dies with its agent: ``PR_SET_PDEATHSIG``;
+torchrun's own workers outlive an agent killed outright); ``coord`` (optional
+``"host:port"`` of a TCPStore the test hosts, to pace the run without
+sleeping): after each step ``s`` listed in ``hold`` the worker sets
+``ready/<s>/<RANK>`` there (its pid, its agent's pid and its torchrun
+environment, as JSON) and waits until the test sets ``go/<s>``; after step
+``wait_for_join`` every rank waits until a process has knocked on the elastic
+run, so a rank started again is taken in before the end; and, its result
+saved, it sets ``done/<pid>``.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -97,6 +103,9 @@ def main() -> None:
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with its agent (or test)
+    if config.get("dump_after"):
+        # Every thread's stack in the log if this worker is still running then: a hang says where it hung.
+        faulthandler.dump_traceback_later(config["dump_after"], exit=False)
     env = {name: os.environ.get(name) for name in ENV}
     (out / f"start-{pid}.json").write_text(json.dumps({"pid": pid, "time": time.time(), "env": env}))
     logging.basicConfig(format=f"%(asctime)s rank {env['RANK']} pid {pid}: %(message)s", level=logging.INFO)

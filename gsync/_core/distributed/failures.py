@@ -117,9 +117,11 @@ class FailureBoard:
     (msgpack), and ``<ns>/wake/<rank>`` is set to wake ``rank``'s watcher.
     """
 
-    def __init__(self, member: GroupMembership) -> None:
+    def __init__(self, member: GroupMembership, name: int | None = None) -> None:
         self._store = member.store
         self._rank = member.rank
+        # The rank reports name this member by: its launch rank in an elastic run (its group rank changes).
+        self._name = member.rank if name is None else name
         self._world_size = member.world_size
         self._namespace = member.namespace
         self._stopping = threading.Event()
@@ -142,8 +144,8 @@ class FailureBoard:
 
         :raises ~gsync.ConfigError: when ``report.rank`` is not this member's rank.
         """
-        if report.rank != self._rank:
-            raise ConfigError(f"a FailureReport for rank {report.rank} cannot be published by rank {self._rank}")
+        if report.rank != self._name:
+            raise ConfigError(f"a FailureReport for rank {report.rank} cannot be published by rank {self._name}")
         try:
             sequence = self._store.add(self._key("failures"), 1)
             self._store.set(self._key("failure", sequence), _ENCODER.encode(report))  # type: ignore[arg-type]
@@ -184,7 +186,7 @@ class FailureBoard:
             if not store.check([key]):
                 continue
             report = _DECODER.decode(store.get(key))
-            if report.rank == self._rank:
+            if report.rank == self._name:
                 continue
             if report.error_type != "PeerLost":
                 return report

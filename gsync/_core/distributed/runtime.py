@@ -138,8 +138,12 @@ class ProcessGroupRuntime:
         heartbeat: Heartbeat,
         host: dist.ProcessGroupGloo | None = None,
         elastic: bool = False,
+        names: Sequence[int] | None = None,
     ) -> None:
         self.membership = membership
+        self.names = tuple(names) if names is not None else None
+        """Each group rank's launch rank, in an elastic run (ranks are renumbered when the membership changes,
+        but reports name a rank as it was launched)."""
         self.elastic = elastic
         """A generation of an elastic run: a peer that is gone is a membership change, not a failure to name."""
         self.change_wanted = False
@@ -147,7 +151,7 @@ class ProcessGroupRuntime:
         self.change_after: int | None = None
         """The step after which every rank agreed to change the membership (set in the communication thread)."""
         self.topology = topology
-        self.board = FailureBoard(membership)
+        self.board = FailureBoard(membership, None if names is None else tuple(names)[membership.rank])
         self.heartbeat = heartbeat
         self.host = host
         """The gloo group of an NCCL run's host-side collectives (see :func:`host_group`); ``None`` on gloo."""
@@ -164,6 +168,7 @@ class ProcessGroupRuntime:
         process_local_data: bool,
         abort: threading.Event,
         elastic: bool = False,
+        names: Sequence[int] | None = None,
     ) -> ProcessGroupRuntime:
         """Join the group and agree on the topology. Collective; blocks until every rank joined.
 
@@ -203,7 +208,7 @@ class ProcessGroupRuntime:
             heartbeat.stop()
             membership.close()
             raise
-        return cls(membership, topology, heartbeat, host, elastic)
+        return cls(membership, topology, heartbeat, host, elastic, names)
 
     def prepare(self, replicas: Sequence[nn.Module], first_step: int) -> None:
         """Check every rank trains the same parameters from the same step, and start every replica from rank 0's
@@ -269,7 +274,8 @@ class ProcessGroupRuntime:
         one learns that way that it was named.
         """
         if isinstance(error, PeerLost) or not isinstance(error, PeerFailed):
-            self.board.report(failure_report(self.membership.rank, error, fallback_site))
+            rank = self.membership.rank if self.names is None else self.names[self.membership.rank]
+            self.board.report(failure_report(rank, error, fallback_site))
 
     def union_of_names(self, names: Sequence[str]) -> list[str]:
         """Every rank's names, sorted. Collective."""

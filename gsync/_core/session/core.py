@@ -640,6 +640,7 @@ class SessionCore(SessionPeers):
                     self._process_local,
                     self._abort,
                     elastic=generation is not None,
+                    names=None if generation is None else generation.members,
                 )
             )
             await self._listen_to_peers()

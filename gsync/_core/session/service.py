@@ -28,6 +28,7 @@ import anyio
 from ...checkpoint import Checkpoint
 from ..step.context import Recipe
 from ...errors import Departed, SessionClosed
+from ...trace import MARK_TRACK, TraceEvent
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
@@ -105,6 +106,7 @@ class SessionService:
         self._replaced = anyio.Event()
         """Set when the core is replaced by the next generation's, or the session ends."""
         self._change_error: BaseException | None = None
+        self._marked = 0
         _OPEN.add(self)
 
     async def run(self) -> None:
@@ -162,6 +164,8 @@ class SessionService:
                     # failed block would (the model is not written), and the opener says so.
                     raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
                 self.core = core
+                if elastic is not None:
+                    self._mark_changes(core, elastic)
                 self._opened.set()
                 replaced, self._replaced = self._replaced, anyio.Event()
                 replaced.set()
@@ -238,6 +242,15 @@ class SessionService:
                 signal.raise_signal(signal.SIGTERM)
 
         return undo
+
+    def _mark_changes(self, core: SessionCore, elastic: ElasticMembership) -> None:
+        """Mark the changes that led to this generation on its trace (an instant on the steps' track)."""
+        trace = core.trace
+        for change in elastic.changes[self._marked :]:
+            if trace is not None:
+                now = trace.now_us()
+                trace.record(TraceEvent("membership", change.step, MARK_TRACK, -1, now, now, error=change.reason, message=str(change)))
+        self._marked = len(elastic.changes)
 
     def _lost(self, error: BaseException | None) -> bool:
         return self.elastic is not None and error is not None and recoverable(error)
