@@ -80,6 +80,17 @@ def test_a_process_that_knocks_is_taken_in_at_the_next_change_and_a_departure_ne
     assert decisions[0].members == (0, 5) and decisions[0].left == (1,) and decisions[0].lost == ()
 
 
+@pytest.mark.timeout(60)
+def test_every_member_leaving_at_once_decides_without_waiting() -> None:
+    server = store_server()
+    runs = started(server, 2, gsync.Elastic(answer_within=30.0))
+    abort = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        decisions = list(pool.map(lambda run: run.reform(abort, True), runs))
+    assert decisions[0] == decisions[1]
+    assert decisions[0].members == () and decisions[0].left == (0, 1)
+
+
 def test_elastic_settings_are_checked_before_any_work() -> None:
     for bad in ({"min_world_size": 0}, {"min_world_size": 3, "max_world_size": 2}, {"answer_within": 0}, {"answer_within": True}):
         with pytest.raises(gsync.ConfigError):

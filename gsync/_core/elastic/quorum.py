@@ -188,7 +188,10 @@ class ElasticRun:
         deadline = time.monotonic() + self.settings.answer_within
         while not self.store.check([next_key]):
             answered, left = self._roll_call(current)
-            if not leaving and (set(answered) | set(left) == set(current.members) or time.monotonic() > deadline):
+            everyone = set(answered) | set(left) == set(current.members)
+            # A departing rank proposes too once nobody is left to hear from (every member leaving at once, as a
+            # launcher tearing down signals them all); it never decides to go on without a silent one.
+            if everyone or (not leaving and time.monotonic() > deadline):
                 self.store.compare_set(next_key, "", _encode(self._propose(current, answered, left)))
                 break
             if abort.wait(_POLL_S):
