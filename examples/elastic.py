@@ -59,7 +59,8 @@ class Progress:
         self.store.set(f"example/rank{self.rank}/step{result.step}", "applied")
 
     def on_membership_change(self, session: gsync.Session, change: gsync.MembershipChange) -> None:
-        print(f"rank {self.rank}: {change}; this rank is now {session.rank} of {session.world_size}", flush=True)
+        sys.stdout.write(f"rank {self.rank}: {change}; this rank is now {session.rank} of {session.world_size}\n")
+        sys.stdout.flush()
 
 
 async def train() -> None:
@@ -77,11 +78,12 @@ async def train() -> None:
         progress=False,
     )
     checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    print(
+    # One write per line: the three ranks share the launcher's stdout.
+    sys.stdout.write(
         f"rank {rank}: trained steps {result.first_step}-{result.history[-1].step}, final loss {result.losses[-1]:.5f}, "
-        f"parameter checksum {checksum:.6f}, membership changes: {len(result.membership)}",
-        flush=True,
+        f"parameter checksum {checksum:.6f}, membership changes: {len(result.membership)}\n"
     )
+    sys.stdout.flush()
 
 
 def launch() -> None:
