@@ -491,7 +491,7 @@ class Row:
 
 def section_recovery(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
     rows_next, rows_change, step_times, notes = [], [], [], []
-    results = []
+    results: list[dict[str, Any]] = []
     for attempt in range(repeats):
         try:
             r = _lost_one("kill", steps, timeout=120)
@@ -535,30 +535,38 @@ def section_departure(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
     if why is not None:
         return not_measured(why)
     values, changes, nexts, notes = [], [], [], []
-    results = []
+    results: list[dict[str, Any]] = []
+    reasons: list[str] = []
     for attempt in range(repeats):
         try:
             r = _lost_one("term", steps, timeout=120)
         except (ScenarioFailed, Timeout) as error:
-            note = _failure_note(f"departure trial run {attempt + 1}", error)
-            rows, _ = not_measured(f"trial run {attempt + 1} did not depart cleanly, see the notes")
-            return rows, [note]
+            notes.append(_failure_note(f"departure run {attempt + 1}", error))
+            continue
         victim = ((r["victim"] or {}).get("fits") or [{}])[0]
-        if r["reasons"] != ["left"] or victim.get("type") != "Departed":
-            return not_measured(f"trial run {attempt + 1}: the survivors recorded reason {r['reasons']}, rank 1 ended "
-                                f"with {victim.get('type')}: {str(victim.get('message'))[:200]}")
+        if victim.get("type") != "Departed":
+            if not results and attempt == 0:
+                return not_measured(f"rank 1 ended with {victim.get('type')}: {str(victim.get('message'))[:200]}")
+            notes.append(f"departure run {attempt + 1}: rank 1 ended with {victim.get('type')}, not Departed")
+            continue
         results.append(r)
+        reasons += r["reasons"]
         values.append(r["kill_to_without_s"])
         nexts.append(r["kill_to_any_s"])
         changes.append(r["change_seconds"])
-    notes.append(f"departure: SIGTERM -> the others' next applied step of any kind (the departing rank's last one "
-                 f"included): median {statistics.median(nexts):.2f} s")
+    if nexts:
+        notes.append(f"departure: SIGTERM -> the others' next applied step of any kind (the departing rank's last "
+                     f"one included): median {statistics.median(nexts):.2f} s")
+    if reasons and set(reasons) != {"left"}:
+        notes.append(f"departure: the survivors recorded the change as {reasons} (one per run): 'lost' means the "
+                     "departing rank's word came after answer_within (0.25 s) and the others went on without it as "
+                     "from a loss")
     phase = _phase_note("departure", results)
     if phase:
         notes.append(phase)
     return [
         Row(label, values, "s", 1.0, what),
-        Row("2 MembershipChange.seconds (reason 'left')", changes, "s", 1.0,
+        Row("2 MembershipChange.seconds", changes, "s", 1.0,
             "the same runs: the later survivor's MembershipChange.seconds"),
     ], notes
 
