@@ -121,16 +121,18 @@ def rank_main(config: dict[str, Any], out_dir: Path) -> None:
 
     async def one_fit(spec: dict[str, Any]) -> dict[str, Any]:
         times: list[tuple[int, float, int, float]] = []
+        losses: list[float] = []
 
         class Probe:
             def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
                 last_applied["step"] = result.step
                 times.append((result.step, time.time(), getattr(result, "world_size", 0), time.process_time()))
+                losses.append(result.loss)
 
         elastic = spec.get("elastic", False)
         if isinstance(elastic, dict):
             elastic = gsync.Elastic(**elastic)
-        record: dict[str, Any] = {"elastic": bool(elastic), "times": times}
+        record: dict[str, Any] = {"elastic": bool(elastic), "times": times, "losses": losses}
         outcome["current"] = record
         started = time.time()
         model = make_mlp()
