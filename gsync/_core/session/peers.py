@@ -192,7 +192,8 @@ class SessionPeers:
             return
         last = self._next_step - 1
         notice = FailureReport(
-            runtime.membership.rank, "", -1, last, "session", DEPARTED,
+            runtime.membership.rank if runtime.names is None else runtime.names[runtime.membership.rank],
+            "", -1, last, "session", DEPARTED,
             "this rank started another step (or evaluate, or all_reduce); every rank must run the same loop",
             operations=self._operations_done,
         )
