@@ -668,7 +668,7 @@ def _restart_run(kind: str, steps: int, timeout: float) -> dict[str, Any]:
                 phases["restarted process in fit()"] = joiner_fit["started"] - killed_at
                 at = _applied_at(fit, joined[0][0], killed_at)
                 if at is not None:
-                    phases[f"step {joined[0][0]} (the first on 2 ranks again) applied"] = at - killed_at
+                    phases["the first step on 2 ranks again applied"] = at - killed_at
                 phases["the survivor's stall at the join (MembershipChange.seconds)"] = joined[0][4]
         if kind == "t1" and killed_at is not None:
             phases["restarted ranks in fit()"] = fit["started"] - killed_at
@@ -687,7 +687,9 @@ def _restart_run(kind: str, steps: int, timeout: float) -> dict[str, Any]:
             pace = _steady_period(before)
             if not math.isnan(pace):
                 timeline = fit["times"][-1][1] - killed_at - (steps - RESTART_KILL_STEP) * pace
-        return {"wall_s": ended - started, "timeline_s": timeline, "first_step": fit.get("first_step"), "param_sum": fit["param_sum"],
+        losses = {int(row[0]): loss for row, loss in zip(fit["times"], fit.get("losses", []))}
+        return {"wall_s": ended - started, "timeline_s": timeline, "losses": losses,
+                "first_step": fit.get("first_step"), "param_sum": fit["param_sum"],
                 "membership": fit.get("membership"), "step_s": _steady_period(fit["times"][:RESTART_KILL_STEP]),
                 "launch_to_first_step_s": fit["times"][0][1] - started if kind != "t1" else None, "phases": phases}
 
@@ -701,6 +703,8 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
     phases: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
     startup: dict[str, list[float]] = {k: [] for k in kinds}
     per_repeat: list[dict[str, float]] = []
+    loss_mismatches: list[str] = []
+    loss_checked = 0
     notes: list[str] = []
     for attempt in range(repeats):
         run: dict[str, dict[str, Any]] = {}
@@ -718,6 +722,17 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
                 phases[kind].setdefault(phase, []).append(value)
             if run[kind]["launch_to_first_step_s"] is not None:
                 startup[kind].append(run[kind]["launch_to_first_step_s"])
+        for kind, base in (("e1", "e0"), ("e2", "e0"), ("t1", "t0")):
+            if kind in run and base in run:
+                ref = run[base]["losses"]
+                off = [(step, loss - ref[step]) for step, loss in sorted(run[kind]["losses"].items())
+                       if step in ref and abs(loss - ref[step]) > 1e-4 * max(1.0, abs(ref[step]))]
+                if off:
+                    loss_mismatches.append(f"repeat {attempt + 1} {kind}: rank 0's loss differs from {base}'s from step "
+                                           f"{off[0][0]} on ({len(off)} steps, first by {off[0][1]:+.2e}); membership "
+                                           f"{run[kind]['membership']}")
+                else:
+                    loss_checked += 1
         cost = {kind: run[kind]["wall_s"] - run[base]["wall_s"]
                 for kind, base in (("e1", "e0"), ("e2", "e0"), ("t1", "t0")) if kind in run and base in run}
         for kind, value in cost.items():
@@ -735,11 +750,15 @@ def section_restart(repeats: int, steps: int) -> tuple[list[Row], list[str]]:
         if phases[kind]:
             notes.append(f"restart, {name}: from the kill, " + ", ".join(
                 f"{phase} {statistics.median(values):.2f} s" for phase, values in phases[kind].items()))
+    if loss_checked:
+        notes.append(f"restart: rank 0's loss at every step matched the uninterrupted run's (to 1e-4) in {loss_checked} "
+                     "interrupted run(s)")
+    notes += [f"restart: {line}" for line in loss_mismatches]
     reference = statistics.median(sums["e0"]) if sums["e0"] else None
     if reference is not None:
-        off = {k: max(abs(s - reference) for s in v) for k, v in sums.items() if v}
-        notes.append("restart: final parameter sums off the uninterrupted elastic run's by at most "
-                     + ", ".join(f"{k} {v:.2e}" for k, v in off.items()))
+        sum_off = {k: max(abs(s - reference) for s in v) for k, v in sums.items() if v}
+        notes.append("restart: rank 0's final parameter sum off the uninterrupted elastic run's by at most "
+                     + ", ".join(f"{k} {v:.2e}" for k, v in sum_off.items()))
     common = (f"2 ranks, reference MLP {steps} steps, fit(checkpoint_dir=..., checkpoint_every={CHECKPOINT_EVERY}) in "
               f"every run, rank 1 SIGKILLs itself in loss_fn at step {RESTART_KILL_STEP}; total wall time (launch to "
               "the last process's exit) minus the uninterrupted run's of the same repeat")
