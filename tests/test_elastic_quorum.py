@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import gsync
-from gsync._core.elastic.quorum import ElasticRun, NotAMember
+from gsync._core.elastic.quorum import ElasticRun, NotAMember, run_scope
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -89,6 +89,37 @@ def test_every_member_leaving_at_once_decides_without_waiting() -> None:
         decisions = list(pool.map(lambda run: run.reform(abort, True), runs))
     assert decisions[0] == decisions[1]
     assert decisions[0].members == () and decisions[0].left == (0, 1)
+    # Nobody is left in run 0, so the next launch starts run 1 without knocking on run 0.
+    again = started(server, 2, gsync.Elastic())
+    assert [run.run for run in again] == [1, 1]
+    assert again[0].store.add(f"{run_scope()}/run0/knocks", 0) == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_that_finds_a_run_whose_members_are_gone_starts_a_new_one() -> None:
+    # Run 0's members are gone without finishing (killed together, or restarted by a launcher): its mark stays.
+    server = store_server()
+    started(server, 2, gsync.Elastic())
+    # The next launch knocks on run 0; nobody hears it (no member's watcher runs), so it starts run 1 instead.
+    again = started(server, 2, gsync.Elastic())
+    assert [run.run for run in again] == [1, 1]
+    assert again[0].store.add(f"{run_scope()}/run0/knocks", 0) == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_knock_on_a_run_that_finishes_before_taking_it_in_is_told_so() -> None:
+    server = store_server()
+    runs = started(server, 2, gsync.Elastic())
+    joiner = member(server, 1, 2, gsync.Elastic())
+    abort = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        entering = pool.submit(joiner.enter, abort)
+        runs[0].store.wait([runs[0].key("knock1")])
+        runs[0].store.set(runs[0].key("knock1", "heard"), "1")  # as a member's watcher does when it wakes
+        for run in runs:
+            run.finish()
+        with pytest.raises(gsync.ConfigError, match="finished their fit before taking it in"):
+            entering.result(timeout=30)
 
 
 def test_elastic_settings_are_checked_before_any_work() -> None:

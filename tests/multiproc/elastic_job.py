@@ -10,7 +10,9 @@ CONFIG: ``steps``; ``mode`` (``"fit"`` or ``"loop"``: the user's own
 forward pass of that step, kills itself with ``SIGKILL``, stops with
 ``SIGSTOP``, or raises); ``wait_for_knock`` (``{"step"}``: after that step
 every rank waits until a process has knocked, so a restarted rank is taken
-in before the run ends); ``min_world_size``; ``answer_within``.
+in before the run ends); ``dies_opening`` (a rank that kills itself with
+``SIGKILL`` as its first session opens, when the ranks exchange their
+initial parameters); ``min_world_size``; ``answer_within``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 import gsync
+from gsync._core.elastic.quorum import run_scope
 
 FEATURES = 6
 ROWS = 12  # a global batch: 4 rows per rank on 3 ranks, 6 on 2, 3 on 4
@@ -75,7 +78,18 @@ def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
 
 def first_knock_key() -> str:
     # The elastic run's own key (gsync/_core/elastic/quorum.py): who knocked first on run 0, set as it knocks.
-    return f"gsync/elastic/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/run0/knock1"
+    return f"{run_scope()}/run0/knock1"
+
+
+def die_as_the_session_opens() -> None:
+    # The first collective that needs every rank's data (rank 0's initial parameters, sent to all): this rank
+    # dies in it, as a process killed while the launch's ranks meet would.
+    import gsync._core.distributed.runtime as runtime
+
+    def killed(*args: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    runtime.broadcast_module_state = killed  # type: ignore[assignment]
 
 
 async def train(config: dict) -> dict:
@@ -97,6 +111,8 @@ async def train(config: dict) -> dict:
                 os.kill(os.getpid(), signals[die["how"]])
         return loss(module, batch)
 
+    if config.get("dies_opening") == rank:
+        die_as_the_session_opens()
     wait = config.get("wait_for_knock")
     store = None
     if wait is not None:

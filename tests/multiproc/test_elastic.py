@@ -70,6 +70,19 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_killed_while_the_first_session_opens_leaves_the_others_to_start_over() -> None:
+    # Nothing was applied yet: the survivors start from the initial state over the new membership.
+    with ElasticRanks(3, {"steps": STEPS, "dies_opening": 1}) as ranks:
+        outcomes = survivors(ranks, ["0", "2"])
+    expected = uninterrupted()
+    for rank in ("0", "2"):
+        assert_equal_to(expected, outcomes[rank])
+        assert outcomes[rank]["world_sizes"] == [2] * STEPS
+        ((step, lost, joined, world_size, _seconds, reason),) = outcomes[rank]["membership"]
+        assert (step, lost, joined, world_size, reason) == (0, (1,), (), 2, "lost")
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_whose_loss_fn_raises_still_stops_everyone() -> None:
     config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "raise"}}
     with ElasticRanks(3, config) as ranks:

@@ -25,8 +25,11 @@ __all__ = ("agree_state",)
 _NO_STATE = -2  # a joiner's last step: it holds nothing
 
 
-def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: threading.Event) -> Checkpoint:
-    """The checkpoint every member of ``group`` starts from. Collective.
+def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: threading.Event) -> Checkpoint | None:
+    """The checkpoint every member of ``group`` starts from; ``None`` when no member holds one. Collective.
+
+    No member holds state when one was lost while the run's first session
+    opened: every member then starts from the initial state, as the launch did.
 
     :raises RuntimeError: (from gloo) when a member is lost meanwhile.
     """
@@ -37,7 +40,7 @@ def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: thread
     steps = [int(value.item()) for value in gathered]
     best = max(steps)
     if best == _NO_STATE:
-        raise RuntimeError("no member of the new membership holds any state to start from")
+        return None
     if all(value == best for value in steps) and mine is not None:
         return mine
     source = steps.index(best)

@@ -27,7 +27,7 @@ from ...errors import ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
 from .handover import agree_state
 from ..threads import FitAborted
-from .quorum import Decision, ElasticRun, Generation, NotAMember
+from .quorum import Decision, ElasticRun, Generation, NotAMember, RunGone
 
 __all__ = ("ElasticMembership",)
 
@@ -78,11 +78,15 @@ class ElasticMembership:
         if generation.number == 0:
             return generation, resume, False
         state = agree_state(generation.group, None, self.abort)
-        self._record(generation.decision, state.next_step)
-        return generation, state, True
+        self._record(generation.decision, 0 if state is None else state.next_step)
+        return generation, state, state is not None
 
-    def change(self, mine: Checkpoint, *, leaving: bool = False) -> tuple[Generation, Checkpoint]:
+    def change(self, mine: Checkpoint | None, *, leaving: bool = False) -> tuple[Generation, Checkpoint | None]:
         """The next generation, formed, and the state it starts from; ``mine``: this rank's consistent state.
+
+        ``mine`` is ``None`` when no step was applied yet (a member lost while
+        the first session opened): the next generation starts from the
+        initial state, unless a member holds one.
 
         :raises ~gsync.PeerLost: below ``min_world_size``, when this rank was
             left out, or when the store is gone; with ``mine`` as its checkpoint.
@@ -95,9 +99,12 @@ class ElasticMembership:
             except NotAMember as error:
                 # Alive but too late to answer: taken back in as a process that knocks, at the next step boundary.
                 logger.warning("gsync: %s; it knocks to be taken back in", error)
-                generation = run.rejoin(self.abort)
+                try:
+                    generation = run.rejoin(self.abort)
+                except RunGone as gone:
+                    raise self._lost(before, (), mine, f"it was left out, and could not be taken back in: {gone}") from gone
                 state = agree_state(generation.group, mine, self.abort)
-                self._record(generation.decision, state.next_step)
+                self._record(generation.decision, _first_step(state))
                 return generation, state
             except FitAborted:
                 raise
@@ -124,7 +131,7 @@ class ElasticMembership:
                 "gsync: rank %d: membership decided, group formed in %.3f s, state agreed in %.3f s",
                 self.launch_rank, formed - decided, time.monotonic() - formed,
             )
-            self._record(decision, state.next_step)
+            self._record(decision, _first_step(state))
             return generation, state
 
     @property
@@ -161,16 +168,22 @@ class ElasticMembership:
         self.changes.append(change)
         logger.warning("gsync: rank %d: %s", self.launch_rank, change)
 
-    def _lost(self, before: Generation, ranks: tuple[int, ...], mine: Checkpoint, why: str) -> PeerLost:
+    def _lost(self, before: Generation, ranks: tuple[int, ...], mine: Checkpoint | None, why: str) -> PeerLost:
         named = ranks or tuple(rank for rank in before.members if rank != self.launch_rank) or (self.launch_rank,)
-        error = PeerLost([LostRank(rank, mine.step, "elastic membership change", "", None, 0.0) for rank in named])
+        step = -1 if mine is None else mine.step
+        error = PeerLost([LostRank(rank, step, "elastic membership change", "", None, 0.0) for rank in named])
         lost = ", ".join(map(str, ranks)) if ranks else "none named"
-        error.args = (f"the elastic run cannot go on after step {mine.step} (lost: {lost}): {why}",)
+        when = "before its first step" if step < 0 else f"after step {step}"
+        error.args = (f"the elastic run cannot go on {when} (lost: {lost}): {why}",)
         error.checkpoint = mine
-        error.last_step = mine.step if mine.step >= 0 else None
+        error.last_step = step if step >= 0 else None
         return error
 
     def _run(self) -> ElasticRun:
         if self.run is None:
             raise RuntimeError("the elastic run was not entered")
         return self.run
+
+
+def _first_step(state: Checkpoint | None) -> int:
+    return 0 if state is None else state.next_step

@@ -1,7 +1,8 @@
 """Who the members of an elastic run are: the store protocol every rank follows to agree on one membership.
 
-The run lives under one prefix of its store (``gsync/elastic/restart<N>/run<R>``;
-``N`` is torchrun's restart count). Its memberships are numbered
+The run lives under one prefix of its store (``gsync/elastic/<id>/run<R>``;
+``id`` is torchrun's run id, ``TORCHELASTIC_RUN_ID``, which every agent of a
+job shares, where torchrun's per-agent restart count is not). Its memberships are numbered
 generations; generation ``g`` is a tuple of launch ranks (``RANK`` as each
 process started), and its group is a gloo group built on the store under
 ``g<g>/pg`` (as torchft re-forms its groups: torch.distributed's own
@@ -23,7 +24,13 @@ same one:
   proposal wins, and every rank reads the one stored.
 
 A process that finds the run active (``active``) knocks instead of starting
-one, and waits for a decision that takes it in.
+one, and waits for a decision that takes it in. A member's watcher hears a
+knock at once (``knock<i>/heard``); a knock nobody hears within a silent
+peer's :data:`~gsync._core.distributed.heartbeat.STALE_AFTER_S`, while no
+change is under way, was made on a run whose members are all gone (killed,
+or restarted together by a launcher): the process starts a new run instead.
+A knock on a run whose members finish their fit before taking it in is told
+so (a :class:`~gsync.ConfigError`, at once: nothing is left to train).
 """
 
 from __future__ import annotations
@@ -35,14 +42,19 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import cast
 
+import logging
+
 import msgspec
 import torch.distributed as dist
 
 from ...elastic import Elastic
 from ...errors import ConfigError
+from ..distributed.heartbeat import STALE_AFTER_S
 from ..threads import FitAborted
 
-__all__ = ("Decision", "ElasticRun", "Generation", "NotAMember")
+__all__ = ("Decision", "ElasticRun", "Generation", "NotAMember", "RunGone", "run_scope")
+
+logger = logging.getLogger("gsync")
 
 # How often a rank deciding a change reads who has answered. Not a timed store.wait: TCPStore logs two C++
 # warnings for each wait that times out, and a client whose wait timed out can stall its next call for seconds.
@@ -85,6 +97,15 @@ class NotAMember(Exception):
     """This process was left out of the next membership (it did not answer in time)."""
 
 
+class RunGone(Exception):
+    """The run knocked on has no member left to take this process in (they all died, or were restarted)."""
+
+
+def run_scope() -> str:
+    """Where this job's elastic runs live in the store: one prefix per torchrun run id (``default`` outside torchrun)."""
+    return f"gsync/elastic/{os.environ.get('TORCHELASTIC_RUN_ID', 'default')}"
+
+
 def _encode(decision: Decision) -> str:
     # JSON: compare_set takes text.
     return msgspec.json.encode(decision).decode()
@@ -103,7 +124,7 @@ class ElasticRun:
         self.launch_world = launch_world
         self.settings = settings
         self.group_timeout = group_timeout
-        self.scope = f"gsync/elastic/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self.scope = run_scope()
         self.run: int | None = None
         self.current: Generation | None = None
         self.leaving = False
@@ -116,20 +137,34 @@ class ElasticRun:
     # -- entering -------------------------------------------------------------
 
     def enter(self, abort: threading.Event) -> Generation:
-        """Start the run with the launch's ``WORLD_SIZE`` ranks, or knock and wait to be taken into a running one."""
+        """Start the run with the launch's ``WORLD_SIZE`` ranks, or knock and wait to be taken into a running one.
+
+        :raises ~gsync.ConfigError: when the running run ends (its members
+            finish) before taking this process in, or does not take it in
+            within the group timeout.
+        """
         active = f"{self.scope}/active"
-        if self.store.check([active]):
-            self.run = int(self.store.get(active))
-            return self._join(abort)
+        marked = self.store.get(active).decode() if self.store.check([active]) else ""
+        if marked:  # cleared to "" by the run's last member to finish or leave
+            self.run = int(marked)
+            try:
+                return self._join(abort)
+            except RunGone as gone:
+                logger.warning("gsync: rank %d: %s; it starts a new run with the launch's %d rank(s)", self.launch_rank, gone, self.launch_world)
         # Every launch rank counts once per run it starts: the same run number on each.
         self.run = (self.store.add(f"{self.scope}/starts", 1) - 1) // self.launch_world
         first = Decision(0, tuple(range(self.launch_world)))
-        generation = self._form(first)
+        # The launch's ranks start as slowly as a loaded machine imports torch: they meet within the collectives'
+        # timeout, as a run that is not elastic does, not within the short one for a change's survivors.
+        generation = self._form(first, self.group_timeout)
         self.store.set(active, str(self.run))
         return generation
 
     def rejoin(self, abort: threading.Event) -> Generation:
-        """Knock on the run this process was left out of, and wait to be taken back in."""
+        """Knock on the run this process was left out of, and wait to be taken back in.
+
+        :raises RunGone: when no member is left to take it in.
+        """
         return self._join(abort)
 
     def _join(self, abort: threading.Event) -> Generation:
@@ -140,24 +175,20 @@ class ElasticRun:
         # A generation formed after the knock counted it, or its watcher sees it as it starts; this one's
         # watchers are woken.
         self._wake(number, _decode(self.store.get(self.key(f"g{number}", "decided"))).members)
-        deadline = time.monotonic() + self.group_timeout.total_seconds()
+        admission = _Admission(self, knock)
         while True:
-            decision = self._wait_decision(number, abort, deadline)
+            decision = self._wait_decision(number, abort, admission)
             if self.launch_rank in decision.members:
                 return self._form(decision)
             number = decision.generation
 
-    def _wait_decision(self, number: int, abort: threading.Event, deadline: float) -> Decision:
+    def _wait_decision(self, number: int, abort: threading.Event, admission: _Admission) -> Decision:
         key = self.key(f"g{number}", "next")
         while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise ConfigError(
-                    f"rank {self.launch_rank} knocked on the running elastic run but was not taken in within "
-                    f"{self.group_timeout.total_seconds():g} s (it is full at max_world_size, or its members "
-                    "stopped changing steps)"
-                )
+            admission.check(number)
             if abort.wait(_ADMISSION_POLL_S):
                 raise FitAborted
+        admission.progressed()
         return _decode(self.store.get(key))
 
     def _wake(self, number: int, members: tuple[int, ...]) -> None:
@@ -197,6 +228,9 @@ class ElasticRun:
             if abort.wait(_POLL_S):
                 raise FitAborted
         decision = _decode(self.store.get(next_key))
+        if not decision.members:
+            # Everyone left: a process started later begins a run of its own, without knocking on this one.
+            self.store.compare_set(f"{self.scope}/active", str(self.run), "")
         if leaving:
             return decision
         if self.launch_rank not in decision.members:
@@ -242,14 +276,14 @@ class ElasticRun:
         """Build the decided generation's group (a rendezvous of its members) and make it the current one."""
         return self._form(decision)
 
-    def _form(self, decision: Decision) -> Generation:
+    def _form(self, decision: Decision, timeout: timedelta | None = None) -> Generation:
         old = self.current
         prefix = self.key(f"g{decision.generation}")
         group = dist.ProcessGroupGloo(
             dist.PrefixStore(f"{prefix}/pg", self.store),
             decision.members.index(self.launch_rank),
             len(decision.members),
-            min(FORM_TIMEOUT, self.group_timeout),
+            timeout or min(FORM_TIMEOUT, self.group_timeout),
         )
         group._set_default_timeout(self.group_timeout)  # the collectives' own, once every member connected
         # A bare backend, which torch's collective functions take as a group (gsync broadcasts through its own call).
@@ -279,9 +313,54 @@ class ElasticRun:
         if current is None or self.run is None:
             return
         if self.store.add(self.key(f"g{current.number}", "finished"), 1) == len(current.members):
-            self.store.delete_key(f"{self.scope}/active")
+            self.store.compare_set(f"{self.scope}/active", str(self.run), "")
 
     def _current(self) -> Generation:
         if self.current is None:
             raise RuntimeError("the elastic run has no membership yet")
         return self.current
+
+
+class _Admission:
+    """A knock's wait to be taken in: it fails fast on a run that is over, and in the group timeout otherwise."""
+
+    def __init__(self, run: ElasticRun, knock: int) -> None:
+        self._run = run
+        self._knock = knock
+        self._heard = False
+        self._deadline = time.monotonic() + run.group_timeout.total_seconds()
+        self._unheard_until = time.monotonic() + STALE_AFTER_S
+
+    def progressed(self) -> None:
+        """A change was decided: the run is alive, and the next one may take this process in."""
+        self._unheard_until = time.monotonic() + STALE_AFTER_S
+
+    def check(self, number: int) -> None:
+        """One look at the run while waiting for generation ``number``'s decision.
+
+        :raises ~gsync.ConfigError: the run finished, or the wait passed the group timeout.
+        :raises RunGone: nobody heard the knock, and no change is under way.
+        """
+        run, store = self._run, self._run.store
+        if not self._heard:
+            self._heard = store.check([run.key(f"knock{self._knock}", "heard")])
+        if store.get(f"{run.scope}/active").decode() != str(run.run):
+            if self._heard or store.check([run.key(f"g{number}", "finished")]):
+                raise ConfigError(
+                    f"rank {run.launch_rank} knocked on elastic run {run.run}, whose members finished their fit "
+                    "before taking it in: nothing is left to train (start a lost rank again while the run goes "
+                    "on, or start a new run)"
+                )
+            raise RunGone(f"elastic run {run.run} ended without finishing")
+        now = time.monotonic()
+        if not self._heard and now > self._unheard_until and not store.check([run.key(f"g{number}", "reform")]):
+            raise RunGone(
+                f"elastic run {run.run} is marked active, but none of its members heard a knock within "
+                f"{STALE_AFTER_S:g} s (they all died, or a launcher restarted them together)"
+            )
+        if now > self._deadline:
+            raise ConfigError(
+                f"rank {run.launch_rank} knocked on the running elastic run but was not taken in within "
+                f"{run.group_timeout.total_seconds():g} s (it is full at max_world_size, or its members "
+                "stopped changing steps)"
+            )

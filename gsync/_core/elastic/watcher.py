@@ -56,6 +56,7 @@ class ReformWatcher:
         reform = run.key(f"g{number}", "reform")
         knocks = run.key("knocks")
         seen = self._generation.decision.knocks_seen
+        heard = 0  # every knock: one left waiting while the run is full hears it is alive
         knocked = False
         try:
             while not self._stopping.is_set():
@@ -64,7 +65,12 @@ class ReformWatcher:
                         store.set(run.key(f"g{number}", f"in/{run.launch_rank}"), "1")
                     self._on_reform()
                     return
-                if not knocked and store.add(knocks, 0) > seen:
+                count = store.add(knocks, 0)
+                for index in range(heard + 1, count + 1):
+                    # The knocker learns that the run is alive (a knock nobody hears was made on a run that is over).
+                    store.set(run.key(f"knock{index}", "heard"), "1")
+                heard = max(heard, count)
+                if not knocked and count > seen:
                     knocked = True
                     self._on_knock()
                 store.wait([self._wake_key], _WAIT)

@@ -140,9 +140,10 @@ async def run_fit(
         else None
     )
     loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry)
-    # A fit that continues the run its state came from (a checkpoint, or the members' state when this process
-    # joined a running elastic run) reports the change that took it in.
-    changes_before = len(carry._membership_changes()) if carry is not None and resume is None else 0
+    # The fit reports the changes from its first step on: one made as its session opened (a rank lost while the
+    # launch met, or the change that took this process into a running run) is its own; one made before an
+    # earlier `session.step` is not.
+    changes_before = sum(change.step < core.next_step for change in carry._membership_changes()) if carry is not None else 0
     total = _total_steps(data, epochs, accumulate)
     display = Progress(total, core.next_step) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display

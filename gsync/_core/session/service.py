@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import signal
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import anyio
@@ -123,10 +123,10 @@ class SessionService:
                         _generation, resume, handed_over = await anyio.to_thread.run_sync(elastic.enter, self._resume, abandon_on_cancel=True)
                     replay = handed_over or self._resume is not None
                 while True:
-                    resume = await self._serve_generation(resume, replay)
-                    if resume is None or self.closing:
+                    following = await self._serve_generation(resume, replay)
+                    if following is None or self.closing:
                         break  # ended, or closed while its membership changed: the new generation's peers go on
-                    replay = False
+                    resume, replay = following.state, False
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
             ended = self.core
             if ended is None:
@@ -150,8 +150,8 @@ class SessionService:
             self._replaced.set()
             self.done.set()
 
-    async def _serve_generation(self, resume: Checkpoint | None, replay: bool | None) -> Checkpoint | None:
-        """Serve one core until it ends; for an elastic run whose membership must change, the next one's state."""
+    async def _serve_generation(self, resume: Checkpoint | None, replay: bool | None) -> _NextGeneration | None:
+        """Serve one core until it ends; for an elastic run whose membership must change, the next one's start."""
         elastic = self.elastic
         core: SessionCore | None = None
         try:
@@ -190,8 +190,9 @@ class SessionService:
             if mine is not None:
                 mine = replace(mine, data_position=built.data_position or mine.data_position)
         self._change = None
-        if mine is None:
+        if mine is None and not (core is None and resume is None):
             raise SessionClosed("the elastic session lost its state while its membership changed")
+        # ``mine`` None: a member lost while the first session opened, before any step; it starts over.
         try:
             if elastic.leaving:
                 # SIGTERM came, and another member began the change first: this rank leaves in it.
@@ -204,7 +205,7 @@ class SessionService:
             self._change_error = error
             self.closing = True
             raise
-        return state
+        return _NextGeneration(state)
 
     async def _depart(self, core: SessionCore, checkpoint: Checkpoint) -> None:
         """Leave the run after the step every rank agreed on, close normally, and raise :class:`~gsync.Departed`."""
@@ -406,6 +407,12 @@ class SessionService:
             )
 
 
+@dataclass(frozen=True)
+class _NextGeneration:
+    state: Checkpoint | None
+    """The state the next generation starts from; ``None``: the initial one (no member had applied a step)."""
+
+
 def _opened_core(core: SessionCore | None) -> SessionCore:
     if core is None:
         raise SessionClosed("the session is not open")
@@ -428,7 +435,10 @@ def _elastic(membership: ElasticMembership | None) -> ElasticMembership:
     return membership
 
 
-def _departed(elastic: ElasticMembership, checkpoint: Checkpoint) -> Departed:
+def _departed(elastic: ElasticMembership, checkpoint: Checkpoint | None) -> Departed:
+    if checkpoint is None:
+        departed = Departed(f"rank {elastic.launch_rank} left the elastic run on SIGTERM before its first step; the others go on without it")
+        return departed
     departed = Departed(
         f"rank {elastic.launch_rank} left the elastic run after step {checkpoint.step} on SIGTERM; the others go "
         "on without it (its checkpoint holds the state of that step)"
