@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tests.plain_loop import train_steps
+from tests.support.plain_loop import train_steps
 
 from .common import Window, os_threads, summarize_ms
 from .workloads import (
@@ -39,7 +39,7 @@ from .workloads import (
 def _timed_steps(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: list[Any], warmup: int
 ) -> tuple[list[float], dict[str, Any]]:
-    """The plain loop (``tests/plain_loop.py``); the per-step wall times after ``warmup`` steps, and the
+    """The plain loop (``tests/support/plain_loop.py``); the per-step wall times after ``warmup`` steps, and the
     resource window over them."""
     stamps: list[float] = []
     window: list[Window] = []

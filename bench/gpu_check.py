@@ -298,7 +298,7 @@ def part_exactness() -> None:
     import torch
 
     import gsync
-    from tests.plain_loop import train_steps
+    from tests.support.plain_loop import train_steps
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -420,7 +420,7 @@ def part_steptime() -> None:
     from torch import nn
 
     import gsync
-    from tests.plain_loop import train_steps
+    from tests.support.plain_loop import train_steps
 
     warmup, steps = 10, 50
 

@@ -3,7 +3,7 @@
 Every worker starts in its own session (process group), so on timeout, error or
 Ctrl-C the whole group (including anything it spawned) is killed. Rank processes
 (DDP, gsync across processes) are started by the tests' multi-process harness
-(``tests/multiproc/harness.py``: torchrun's environment, a free port, no child left
+(``tests/support/harness.py``: torchrun's environment, a free port, no child left
 behind), so the benchmarks and the tests start ranks one way.
 """
 
@@ -20,8 +20,8 @@ import time
 from typing import Any
 
 from bench import worker
-from tests.multiproc.harness import RanksTimedOut
-from tests.multiproc.harness import run_ranks as harness_run_ranks
+from tests.support.harness import RanksTimedOut
+from tests.support.harness import run_ranks as harness_run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIVE: set[int] = set()

@@ -6,7 +6,7 @@ Runs ``TASK(**kwargs)`` (a coroutine function is run with asyncio), adds the
 process's peak RSS, and writes the result as JSON to RESULT_PATH. Started by
 ``isolate.py`` from the repository root; never imports anything heavy before it is
 told what to run. :func:`run_rank` is the same for one rank of a multi-process
-measurement, started by the tests' harness (``tests/multiproc/harness.py``).
+measurement, started by the tests' harness (``tests/support/harness.py``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import TiedNet, classification_loss, gsync_threads, make_batches, sgd
+from gsync_pytest import gsync_threads
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

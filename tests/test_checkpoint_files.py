@@ -15,8 +15,10 @@ import torch
 
 import gsync
 import gsync.testing
-from conftest import CancelAfterStep, TiedNet, assert_same_state, classification_loss, make_batches, sgd
-from test_recipes import step_lr
+from tests.support.gates import CancelAfterStep
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state
+from tests.support.reference import step_lr
 
 pytestmark = pytest.mark.asyncio
 

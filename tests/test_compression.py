@@ -18,7 +18,7 @@ from torch import nn
 import gsync
 from gsync.comm import LocalCollective, LowPrecision
 from gsync.comm.compressed import CompressedCollective
-from conftest import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 
 STEPS = 20
 ROWS = 31  # uneven over 2 devices: weights 16/31 and 15/31

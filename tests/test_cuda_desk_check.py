@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gsync
-from conftest import TiedNet, make_batches, sgd
+from tests.support.models import TiedNet, make_batches, sgd
 from gsync._core.threads import FitAborted
 from gsync._core.step.agreement import AgreedStep, StepFacts
 from gsync._core.gradients.buffers import BufferSync

@@ -20,7 +20,8 @@ import gsync
 import gsync.testing
 from gsync._core.threads import THREADS_PER_THREAD
 from gsync._core.distributed.heartbeat import Whereabouts
-from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
 
 DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 

@@ -14,19 +14,11 @@ from torch import nn
 import gsync
 from gsync._core.step.mailbox import Mailbox
 from gsync._core.step.messages import BucketReady, ForwardDone, StepDeadline
-from conftest import (
-    BackwardGate,
-    CancelAfterStep,
-    Deep,
-    TiedNet,
-    assert_no_tasks_left,
-    assert_same_state,
-    classification_loss,
-    gsync_threads,
-    make_batches,
-    sgd,
-    train_reference,
-)
+from gsync_pytest import gsync_threads
+from tests.support.gates import BackwardGate, CancelAfterStep
+from tests.support.models import Deep, TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
+from tests.support.tasks import assert_no_tasks_left
 
 pytestmark = pytest.mark.asyncio
 

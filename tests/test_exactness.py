@@ -13,7 +13,9 @@ from torch import nn
 
 import gsync
 from gsync._core.data.batches import split_batch
-from conftest import BackwardGate, Deep, Normed, TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from tests.support.gates import BackwardGate
+from tests.support.models import Deep, Normed, TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
 
 pytestmark = pytest.mark.asyncio
 

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# The multi-process tests' helper, found as conftest is: pytest puts tests/ on the path.
-from multiproc.harness import free_port
+from tests.support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

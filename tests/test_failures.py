@@ -16,17 +16,10 @@ from torch import nn
 
 import gsync
 import gsync.testing
-from conftest import (
-    Normed,
-    TiedNet,
-    assert_no_tasks_left,
-    assert_same_state,
-    classification_loss,
-    gsync_threads,
-    make_batches,
-    sgd,
-    train_reference,
-)
+from gsync_pytest import gsync_threads
+from tests.support.models import Normed, TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
+from tests.support.tasks import assert_no_tasks_left
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

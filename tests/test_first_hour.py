@@ -20,7 +20,8 @@ from torch import nn
 
 import gsync
 import gsync.testing
-from conftest import TiedNet, classification_loss, gsync_threads, make_batches, sgd
+from gsync_pytest import gsync_threads
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 
 pytest_plugins = ("pytester",)
 

@@ -15,16 +15,10 @@ import torch
 
 import gsync
 import gsync.testing
-from conftest import (
-    TiedNet,
-    assert_no_tasks_left,
-    assert_same_state,
-    classification_loss,
-    gsync_threads,
-    make_batches,
-    sgd,
-    train_reference,
-)
+from gsync_pytest import gsync_threads
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
+from tests.support.tasks import assert_no_tasks_left
 from gsync._core.step.messages import BucketReady
 
 TWO = ["cpu:0", "cpu:1"]

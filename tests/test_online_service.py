@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# The multi-process tests' helper, found as conftest is: pytest puts tests/ on the path.
-from multiproc.harness import free_port
+from tests.support.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "online_service.py"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 
 import gsync
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import gsync
-from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import train_reference
 from gsync._core.step.readout import LossReadout
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

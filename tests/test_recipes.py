@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -16,15 +16,12 @@ import torch
 from torch import nn
 
 import gsync
-from conftest import TiedNet, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, plain_loop, step_lr, train_reference
 
 pytestmark = pytest.mark.asyncio
 
 DEVICES = {1: ["cpu"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
-
-
-def step_lr(optimizer: torch.optim.Optimizer) -> Any:
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
 def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -38,38 +35,6 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int = 3, total: int 
         return 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def plain_loop(
-    model: nn.Module,
-    steps: Sequence[Sequence[Any]],
-    *,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] = sgd,
-    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-    clip: float | None = None,
-    autocast: torch.dtype | None = None,
-) -> tuple[nn.Module, list[float], list[float], list[float]]:
-    """The recipe as a plain loop: each step accumulates its batches' mean-loss gradients (divided by their count)."""
-    model = copy.deepcopy(model)
-    opt = optimizer([p for p in model.parameters() if p.requires_grad])
-    sched = scheduler(opt) if scheduler is not None else None
-    losses, lrs, norms = [], [], []
-    for batches in steps:
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for batch in batches:
-            with torch.autocast("cpu", dtype=autocast) if autocast is not None else torch.autocast("cpu", enabled=False):
-                loss = classification_loss(model, batch)
-            (loss / len(batches)).backward()
-            total += loss.item() / len(batches)
-        lrs.append(opt.param_groups[0]["lr"])
-        if clip is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
-        opt.step()
-        if sched is not None:
-            sched.step()
-        losses.append(total)
-    return model, losses, lrs, norms
 
 
 async def session_loop(engine: gsync.Engine, model: nn.Module, steps: Sequence[Sequence[Any]], **recipe: Any) -> tuple[nn.Module, list[gsync.StepResult], gsync.Checkpoint]:

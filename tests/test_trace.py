@@ -15,7 +15,9 @@ from typing import Any
 
 import anyio
 import pytest
-from conftest import CancelAfterStep, Deep, classification_loss, gsync_threads, make_batches, sgd
+from gsync_pytest import gsync_threads
+from tests.support.gates import CancelAfterStep
+from tests.support.models import Deep, classification_loss, make_batches, sgd
 
 import gsync
 import gsync.testing

@@ -8,7 +8,8 @@ import torch
 
 import gsync
 import gsync.testing
-from conftest import Deep, assert_same_state, classification_loss, make_batches, sgd, train_reference
+from tests.support.models import Deep, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script: the repository root on the path, so that it imports the tests' helpers as the tests do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gsync  # noqa: E402
-from conftest import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd  # noqa: E402
 
 STEPS = 12
 EVERY = 2

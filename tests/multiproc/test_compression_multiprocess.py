@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import classification_loss, make_batches, sgd
-from harness import run_ranks
+from tests.support.models import classification_loss, make_batches, sgd
+from tests.support.harness import run_ranks
 
 STEPS = 8
 ROWS = 31  # uneven over 2 devices: weights 16/31 and 15/31

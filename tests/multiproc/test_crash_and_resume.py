@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import free_port
+from tests.support.harness import free_port
 
 SCRIPT = Path(__file__).with_name("crash_and_resume.py")
 

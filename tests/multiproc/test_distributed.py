@@ -37,7 +37,7 @@ from gsync._core.distributed import (
 )
 from gsync._core.topology import Topology
 
-from harness import run_ranks
+from tests.support.harness import run_ranks
 
 
 class Net(nn.Module):

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import TiedNet, classification_loss, make_batches, sgd, train_reference
-from harness import run_ranks
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import train_reference
+from tests.support.harness import run_ranks
 
 STEPS = 5
 ROWS = 19  # uneven over 2 and over 4 devices

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from harness import (
+from tests.support.harness import (
     RanksTimedOut,
     run_ranks,
     selftest_echo,
@@ -47,7 +47,7 @@ def test_a_rank_imports_from_the_parents_path_first_and_keeps_its_own_extras(tmp
     extra = str(tmp_path)
     (rank,) = run_ranks(selftest_import_path, 1, timeout=20, env={"PYTHONPATH": extra}, check=True)
     path = rank.value
-    # What the test modules import from tests/ (conftest) resolves in the rank as in the parent...
+    # What the test modules import (tests.support, from the repository root) resolves in the rank as in the parent...
     assert path[: len(sys.path)] == sys.path
     # ... and what the rank's own environment adds is still there, after it.
     assert extra in path[len(sys.path) :]

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import TiedNet, classification_loss, make_batches, sgd
-from harness import run_ranks
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.harness import run_ranks
 
 from gsync._core.distributed.heartbeat import LOST_AFTER_S
 

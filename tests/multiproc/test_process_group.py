@@ -21,7 +21,7 @@ from gsync._core.transports.process_group import ProcessGroupCollective
 from gsync._core.distributed import GroupMembership, gather_topology, join
 from gsync._core.topology import Topology
 
-from harness import RankResult, run_ranks
+from tests.support.harness import RankResult, run_ranks
 
 # Local devices per rank: 1 each, 2 each, and uneven.
 LAYOUTS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (1, 2))

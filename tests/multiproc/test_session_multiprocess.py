@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import TiedNet, classification_loss, make_batches, sgd
-from harness import run_ranks
-from test_recipes import plain_loop, step_lr
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.harness import run_ranks
+from tests.support.reference import plain_loop, step_lr
 
 GROUPS = 3  # steps, each accumulating 2 batches
 

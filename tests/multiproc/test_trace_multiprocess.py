@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from conftest import TiedNet, classification_loss, make_batches, sgd
-from harness import run_ranks
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.harness import run_ranks
 
 
 def traced_fits(directory: str) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The plain one-device PyTorch training loop every comparison is made against.
 
-The tests' reference (``conftest.train_reference``: the result gsync must reproduce),
-the benchmarks' one-process baseline (``bench/baselines.py``) and the GPU check's plain
-loop (``bench/gpu_check.py``) all run this loop, so "plain PyTorch" means one thing.
-Imports only torch; the benchmarks import it as ``tests.plain_loop`` from the repository root.
+The tests' reference (``tests.support.reference.train_reference``: the result gsync must
+reproduce), the benchmarks' one-process baseline (``bench/baselines.py``) and the GPU check's
+plain loop (``tools/gpu_check.py``) all run this loop, so "plain PyTorch" means one thing.
+Imports only torch; ``bench/`` and ``tools/`` import it as ``tests.support.plain_loop`` from the
+repository root (they import nothing else of tests/ but the harness).
 """
 
 from __future__ import annotations
