@@ -1,6 +1,6 @@
 """ProcessGroupCollective passes the collective conformance cases across 2 real processes.
 
-The cases mirror ``tests/comm/test_conformance.py``, with the devices spread
+The cases mirror ``tests/unit/comm/test_conformance.py``, with the devices spread
 over two ranks: every rank builds the same *global* tensors from one seed,
 keeps its local slice, runs the collective, and checks the global answer. All
 layouts and cases run in one spawn (process start-up dominates); each case is

@@ -20,7 +20,8 @@ pytest.importorskip("ipykernel")
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 NOTEBOOK = ROOT / "examples" / "notebook.ipynb"
 KERNEL = "gsync-test-python"
 CELL_TIMEOUT_S = 30

@@ -6,7 +6,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "gsync"
+from tests.support.paths import ROOT
+
+PACKAGE = ROOT / "gsync"
 
 
 def module_name(path: Path) -> str:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tests.support.harness import free_port
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "online_service.py"
 FEATURES, CLASSES = 32, 4  # the example's model: 32 inputs, 4 classes
 

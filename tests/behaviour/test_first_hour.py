@@ -10,7 +10,6 @@ import sys
 import tomllib
 import types
 import warnings
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,10 +21,9 @@ import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.paths import ROOT
 
 pytest_plugins = ("pytester",)
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_one_string_of_several_devices_gets_the_list_to_write() -> None:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import re
 import tomllib
-from pathlib import Path
 from typing import Any
 
 import pytest
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.paths import ROOT
 
 import gsync
 
 pytest_plugins = ("pytester",)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 INI = """
 [pytest]

@@ -27,7 +27,7 @@ def _load_suite() -> object:
     # By path, so this works whatever pytest's import mode (prepend, append, importlib).
     spec = importlib.util.spec_from_file_location("_gsync_conformance_suite", Path(__file__).with_name("test_conformance.py"))
     if spec is None or spec.loader is None:
-        raise ImportError("cannot load tests/comm/test_conformance.py")
+        raise ImportError("cannot load tests/unit/comm/test_conformance.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

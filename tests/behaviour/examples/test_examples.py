@@ -1,4 +1,4 @@
-"""The examples a user starts from must run as written (the notebook: tests/test_notebook.py, in a real kernel)."""
+"""The examples a user starts from must run as written (the notebook: test_notebook.py, in a real kernel)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.harness import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
 
 
 @pytest.mark.timeout(120)
