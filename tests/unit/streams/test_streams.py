@@ -1,4 +1,4 @@
-"""The StreamSync ordering contract, the CUDA stream/event wiring, and the NCCL collective.
+"""The StreamSync ordering contract and the CUDA stream/event wiring (the NCCL collective: tests/unit/transports).
 
 Three layers:
 
@@ -9,7 +9,7 @@ Three layers:
   ordered before which, exactly as CUDA would order them, and that nothing
   synchronizes the host before ``close``.
 * Real CUDA (skipped without a GPU): the same ordering on a GPU with a long
-  kernel in flight, and ``NcclCollective``'s arithmetic.
+  kernel in flight.
 """
 
 from __future__ import annotations
@@ -17,44 +17,19 @@ from __future__ import annotations
 import itertools
 import queue
 import random
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
 
 import gsync
-from gsync._core.transports.nccl import NcclCollective
 from gsync._core.streams import CudaStreamSync, HostStreamSync, StreamOrderError, StreamSync, make_stream_sync
-
-T = TypeVar("T")
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def in_thread(fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a fresh thread (its own current-stream state) and return its result."""
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(("ok", fn()))
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            box.append(("error", error))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    thread.join(timeout=30)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value  # type: ignore[no-any-return]
+from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda
 
 
 # --------------------------------------------------------------------------------------------------
@@ -833,39 +808,8 @@ def test_cuda_close_with_timeout_polls_and_gives_up(fake_cuda: FakeCuda) -> None
 
 
 # --------------------------------------------------------------------------------------------------
-# Runs anywhere: construction errors and import hygiene
-# --------------------------------------------------------------------------------------------------
-
-
-def test_nccl_collective_rejects_cpu_devices_and_foreign_stream_syncs() -> None:
-    with pytest.raises(gsync.ConfigError, match="CUDA devices only"):
-        NcclCollective(["cpu"], HostStreamSync(1, 1))  # type: ignore[arg-type]
-    with pytest.raises(gsync.ConfigError):
-        # Without CUDA: CUDA is unavailable; with CUDA: not a CudaStreamSync.
-        NcclCollective(["cuda:0"], HostStreamSync(1, 1))  # type: ignore[arg-type]
-
-
-def test_importing_touches_no_cuda() -> None:
-    code = "import gsync._core.streams, gsync._core.transports.nccl, torch; print(torch.cuda.is_initialized())"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "False"
-
-
-# --------------------------------------------------------------------------------------------------
 # Real CUDA
 # --------------------------------------------------------------------------------------------------
-
-
-def cuda_devices() -> list[torch.device]:
-    return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-
-
-def long_kernel() -> None:
-    """Queue roughly half a second of GPU work on the current stream."""
-    if not hasattr(torch.cuda, "_sleep"):
-        pytest.skip("torch.cuda._sleep is not available in this torch build")
-    torch.cuda._sleep(1_000_000_000)
 
 
 @needs_cuda
@@ -914,152 +858,4 @@ def test_cuda_sync_raises_on_order_violations() -> None:
         sync.before_reduce(0)
     with pytest.raises(StreamOrderError):
         sync.before_apply(0)
-    sync.close()
-
-
-def nccl_pair(devices: list[torch.device] | None = None) -> tuple[CudaStreamSync, NcclCollective]:
-    devices = devices or cuda_devices()
-    sync = CudaStreamSync(devices, 1)
-    return sync, NcclCollective(devices, sync)
-
-
-@needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_nccl_weighted_all_reduce(dtype: torch.dtype) -> None:
-    sync, collective = nccl_pair()
-    assert isinstance(collective, gsync.Collective)
-    devices = sync.devices
-    generator = torch.Generator().manual_seed(7)
-    host = [torch.randn(4099, generator=generator).to(dtype) for _ in devices]
-    rows = [3 + 2 * i for i in range(len(devices))]
-    weights = [r / sum(rows) for r in rows]
-    expected = sum(w * t.double() for w, t in zip(weights, host))
-    tensors = [t.to(d) for t, d in zip(host, devices)]
-    collective.all_reduce(tensors, weights)
-    torch.cuda.synchronize()
-    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
-    for tensor in tensors:
-        assert tensor.dtype == dtype
-        torch.testing.assert_close(tensor.cpu().double(), expected, atol=tolerance, rtol=tolerance)  # type: ignore[arg-type]
-    sync.close()
-
-
-@needs_cuda
-def test_nccl_fp16_does_not_overflow_and_zero_weights_contribute_nothing() -> None:
-    sync, collective = nccl_pair()
-    n = len(sync.devices)
-    big = [torch.full((64,), 40000.0, dtype=torch.float16, device=d) for d in sync.devices]
-    collective.all_reduce(big, [1 / n] * n)
-    poisoned = [torch.full((8,), float("inf") if i else 3.0, device=d) for i, d in enumerate(sync.devices)]
-    collective.all_reduce(poisoned, [1.0] + [0.0] * (n - 1))
-    torch.cuda.synchronize()
-    for tensor in big:
-        assert torch.isfinite(tensor).all()
-        torch.testing.assert_close(tensor.float().cpu(), torch.full((64,), 40000.0), rtol=1e-3, atol=0)
-    for tensor in poisoned:
-        torch.testing.assert_close(tensor.cpu(), torch.full((8,), 3.0))
-    sync.close()
-
-
-@needs_cuda
-def test_nccl_broadcast_and_strided_tensors() -> None:
-    sync, collective = nccl_pair()
-    floats = [torch.full((5,), float(i), device=d) for i, d in enumerate(sync.devices)]
-    ints = [torch.arange(3, device=d) + 10 * i for i, d in enumerate(sync.devices)]
-    strided = [torch.full((4, 6), float(i + 1), device=d)[:, ::2] for i, d in enumerate(sync.devices)]
-    collective.broadcast(floats)
-    collective.broadcast(ints)
-    collective.all_reduce(strided, [1.0] * len(strided))
-    torch.cuda.synchronize()
-    total = sum(range(1, len(strided) + 1))
-    for f, i, s in zip(floats, ints, strided):
-        assert torch.equal(f.cpu(), torch.zeros(5))
-        assert torch.equal(i.cpu(), torch.arange(3))
-        assert torch.equal(s.cpu(), torch.full((4, 3), float(total)))
-    sync.close()
-
-
-@needs_cuda
-def test_nccl_collective_does_not_block_the_host() -> None:
-    sync, collective = nccl_pair()
-    tensors = [torch.zeros(1 << 20, device=d) for d in sync.devices]
-    # The first reduction over these devices builds the communicators (ncclCommInitAll), which blocks the
-    # host: it must not land in the window timed below, whatever ran before this test.
-    collective.all_reduce(tensors, [1.0] * len(tensors))
-    for device in sync.devices:
-        torch.cuda.synchronize(device)
-    for device, tensor in zip(sync.devices, tensors):
-        with torch.cuda.device(device):
-            long_kernel()  # on the caller's (default) stream, which the collective must wait for
-            tensor.fill_(1.0)
-    started = time.perf_counter()
-    collective.all_reduce(tensors, [1.0] * len(tensors))
-    host_time = time.perf_counter() - started
-    busy = [not sync.comm_cuda_stream(d).query() for d in range(len(tensors))]
-    torch.cuda.synchronize()
-    assert all(busy), f"the comm stream finished within {host_time:.3f} s: the collective synchronized the host"
-    for tensor in tensors:
-        assert torch.all(tensor == len(tensors))
-    sync.close()
-
-
-@needs_cuda
-def test_nccl_pipeline_across_threads_matches_the_arithmetic() -> None:
-    """Compute streams produce, the comm thread reduces, device threads apply: three steps, every wait needed."""
-    sync, collective = nccl_pair()
-    devices = sync.devices
-    n = len(devices)
-    params = [torch.zeros(1 << 16, device=d) for d in devices]
-    grads = [torch.zeros_like(p) for p in params]
-    torch.cuda.synchronize()
-    weights = [1 / n] * n
-    for step in range(3):
-        for device in range(n):
-
-            def backward(d: int = device) -> None:
-                with sync.compute_stream(d):
-                    if step == 0:
-                        long_kernel()  # the reduction reads stale zeros unless it waits
-                    grads[d].fill_(float((d + 1) * (step + 1)))
-                    sync.mark_ready(d, 0)
-
-            in_thread(backward)
-
-        def reduce() -> None:
-            sync.before_reduce(0)
-            collective.all_reduce(grads, weights)
-            sync.after_reduce(0)
-
-        in_thread(reduce)
-        for device in range(n):
-
-            def apply(d: int = device) -> None:
-                with sync.compute_stream(d):
-                    sync.before_apply(d)
-                    params[d].sub_(grads[d])
-
-            in_thread(apply)
-    sync.close()
-    mean_rank = sum(range(1, n + 1)) / n
-    expected = -mean_rank * (1 + 2 + 3)
-    for param in params:
-        torch.testing.assert_close(param.cpu(), torch.full((1 << 16,), expected))
-
-
-@needs_cuda
-def test_nccl_collective_checks_its_inputs() -> None:
-    sync, collective = nccl_pair([torch.device("cuda", 0)])
-    with pytest.raises(gsync.GsyncError, match="one tensor"):
-        collective.all_reduce([], [])
-    with pytest.raises(gsync.GsyncError, match="is on cpu"):
-        collective.all_reduce([torch.ones(3)], [1.0])
-    with pytest.raises(gsync.ConfigError, match="distinct"):
-        NcclCollective(["cuda:0", "cuda:0"], sync)
-    if torch.cuda.device_count() > 1:
-        with pytest.raises(gsync.ConfigError, match="differ"):
-            NcclCollective(["cuda:1"], sync)
-    collective.close()
-    collective.close()
-    with pytest.raises(gsync.GsyncError, match="closed"):
-        collective.broadcast([torch.ones(3, device="cuda:0")])
     sync.close()
