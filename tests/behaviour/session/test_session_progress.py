@@ -1,0 +1,73 @@
+"""fit's progress display: rank 0's bar outside tests and CI, a log without tqdm, tqdm's own switch."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import sys
+
+import pytest
+import torch
+
+import gsync
+import gsync.testing
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
+
+pytestmark = pytest.mark.asyncio
+
+TWO = ["cpu:0", "cpu:1"]
+
+
+async def test_the_default_progress_display_is_rank_0s_outside_tests_and_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gsync._core.session.progress import progress_wanted
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("PYTEST_CURRENT_TEST", raising=False)
+    # Under torchrun every rank runs the same steps: one bar, not one per rank fighting over the terminal.
+    assert [progress_wanted(None, rank) for rank in range(3)] == [True, False, False]
+    assert [progress_wanted(True, rank) for rank in range(3)] == [True, True, True]
+    monkeypatch.setenv("CI", "true")
+    assert progress_wanted(None, 0) is False
+
+
+async def test_fit_progress_logs_without_tqdm(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # as if tqdm were not installed: importing it fails
+    caplog.set_level("INFO", logger="gsync")
+    await gsync.Engine(TWO).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss, progress=True)
+    assert any("step 0 (epoch 0): loss" in record.getMessage() for record in caplog.records)
+
+
+async def test_fit_progress_bar_formats_figures_only_to_redraw_and_ends_on_the_last_steps(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tqdm = pytest.importorskip("tqdm")
+    formatted: list[object] = []
+    set_postfix = tqdm.std.tqdm.set_postfix
+    monkeypatch.setattr(tqdm.std.tqdm, "set_postfix", lambda bar, *a, **k: formatted.append(k) or set_postfix(bar, *a, **k))
+    # No redraw during the run, so no figures are formatted for one. (Not TQDM_MININTERVAL: tqdm reads its
+    # environment once, as it is imported, and without it a slow step redraws after tqdm's default 0.1 s.)
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", functools.partialmethod(tqdm.std.tqdm.__init__, mininterval=1000))
+    result = await gsync.Engine(TWO).fit(
+        TiedNet(), make_batches(6, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
+    )
+    final = capsys.readouterr().err.rstrip().split("\r")[-1]
+    assert "6/6" in final and f"loss={result.losses[-1]:.4g}" in final, final
+    assert len(formatted) == 1  # at the end
+
+
+async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tqdm = pytest.importorskip("tqdm")
+    torch.manual_seed(0)
+    model = TiedNet()
+    expected, expected_losses = train_reference(model, make_batches(3, 8))
+    # What TQDM_DISABLE=1 does to every bar (set so: tqdm reads its environment only as it is imported).
+    monkeypatch.setattr(tqdm.std.tqdm, "__init__", functools.partialmethod(tqdm.std.tqdm.__init__, disable=True))
+    result = await gsync.Engine(TWO).fit(
+        copy.deepcopy(model), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, progress=True
+    )
+    assert result.losses == pytest.approx(expected_losses, abs=2e-5)
+    assert_same_state(result.model, expected)
+    assert capsys.readouterr().err == ""  # the disabled bar drew nothing, and nothing fell back to lines
