@@ -10,6 +10,7 @@ engine receive of it is one frozen settings object, taken as a session opens.
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import os
 from collections.abc import AsyncIterable, Iterable, Sequence
@@ -38,6 +39,8 @@ from .types import LossFn, OptimizerFactory, SchedulerFactory
 
 
 __all__ = ("Engine", "FitResult", "FitStats")
+
+logger = logging.getLogger("gsync")
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -184,11 +187,10 @@ class Engine:
         if devices is None and self.distributed:
             devices = _default_devices_of_this_process()
         self.devices: list[DeviceSpec] = parse_devices(devices)
-        if self.elastic is not None and any(spec.torch_device.type != "cpu" for spec in self.devices):
-            raise ConfigError(
-                "elastic=... runs on CPU devices over gloo only for now: re-forming an NCCL group after a loss "
-                "(aborting the old communicator) is not built yet; train on CUDA without elastic, and resume "
-                "from checkpoint_dir after a loss"
+        if self.elastic is not None and any(spec.torch_device.type == "cuda" for spec in self.devices):
+            logger.warning(
+                "gsync: elastic=... on CUDA devices re-forms NCCL groups and aborts the old communicator after a "
+                "loss; this path has not been run on a GPU yet (see the elastic runs page of the docs)"
             )
         on_cpu = all(spec.torch_device.type == "cpu" for spec in self.devices)
         if device_threads == "shared" and not on_cpu:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from .waiting import broadcast_from, wait_work
+from .waiting import GROUP_TYPES, broadcast_from, wait_work
 
 __all__ = ("GroupMembership", "join", "should_use_distributed")
 
@@ -188,7 +188,7 @@ def join(
     store_host: int | None = None
     if process_group is not None:
         # A bare gloo backend is an elastic run's group (built on its store for one generation).
-        if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
+        if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, GROUP_TYPES):
             raise ConfigError(
                 f"process_group must be a torch.distributed.ProcessGroup this process belongs to, got {process_group!r}"
             )

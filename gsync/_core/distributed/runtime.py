@@ -39,7 +39,7 @@ from .agreement import (
     verify_same_start,
 )
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
-from ..elastic.recovery import MembershipBroken
+from ..elastic.recovery import MembershipBroken, abort_communicator
 from .heartbeat import STALE_AFTER_S, Heartbeat, Whereabouts
 from .membership import GroupMembership, join
 from .waiting import wait_work
@@ -284,7 +284,17 @@ class ProcessGroupRuntime:
     def track(self, where: Callable[[], Whereabouts], on_lost: Callable[[list[LostRank]], object]) -> None:
         """Beat ``where()`` from now on, and call ``on_lost`` (from the heartbeat thread) once a peer falls silent."""
         self.heartbeat.where = where
-        self.heartbeat.on_lost(on_lost)
+        if not self.elastic:
+            self.heartbeat.on_lost(on_lost)
+            return
+        group = self.membership.group
+
+        def lost(ranks: list[LostRank]) -> object:
+            # An elastic NCCL run's communicator is aborted first: NCCL would wait on the silent peer for ever.
+            abort_communicator(group)
+            return on_lost(ranks)
+
+        self.heartbeat.on_lost(lost)
 
     def blame_peer(self, error: GsyncError) -> GsyncError:
         """For a failed or stalled collective, the peer that caused it: its own report, else its heartbeat.

@@ -28,7 +28,13 @@ import torch.distributed as dist
 
 from ..threads import FitAborted
 
-__all__ = ("WAIT_SLICE", "broadcast_from", "wait_work")
+__all__ = ("GROUP_TYPES", "WAIT_SLICE", "broadcast_from", "wait_work")
+
+# What gsync takes as a group: a registered ProcessGroup, or a bare backend built on a store (an elastic run's
+# generations are; NCCL only where torch was built with it).
+GROUP_TYPES: tuple[type, ...] = (dist.ProcessGroup, dist.ProcessGroupGloo) + (
+    (dist.ProcessGroupNCCL,) if hasattr(dist, "ProcessGroupNCCL") else ()
+)
 
 WAIT_SLICE = timedelta(milliseconds=50)
 """How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from ...checkpoint import Checkpoint
@@ -37,8 +38,9 @@ logger = logging.getLogger("gsync")
 class ElasticMembership:
     """One process's view of the elastic run its sessions belong to. Its blocking methods run in a thread."""
 
-    def __init__(self, settings: Elastic, store: dist.Store | None, group_timeout_s: float) -> None:
+    def __init__(self, settings: Elastic, store: dist.Store | None, group_timeout_s: float, device: torch.device | None = None) -> None:
         self.settings = settings
+        self._device = device if device is not None and device.type == "cuda" else None
         self.launch_rank = env_int("RANK")
         self.launch_world = env_int("WORLD_SIZE")
         if not 0 <= self.launch_rank:
@@ -73,11 +75,11 @@ class ElasticMembership:
                     "run; host the store outside the ranks (torchrun's agent, or Engine(store=...)) so any rank may go"
                 )
             store = create_store(self.launch_rank, self.launch_world, self._group_timeout)
-        self.run = ElasticRun(store, self.launch_rank, self.launch_world, self.settings, self._group_timeout)
+        self.run = ElasticRun(store, self.launch_rank, self.launch_world, self.settings, self._group_timeout, self._device)
         generation = self.run.enter(self.abort)
         if generation.number == 0:
             return generation, resume, False
-        state = agree_state(generation.group, None, self.abort)
+        state = agree_state(generation.host, None, self.abort)
         self._record(generation.decision, 0 if state is None else state.next_step)
         return generation, state, state is not None
 
@@ -103,7 +105,7 @@ class ElasticMembership:
                     generation = run.rejoin(self.abort)
                 except RunGone as gone:
                     raise self._lost(before, (), mine, f"it was left out, and could not be taken back in: {gone}") from gone
-                state = agree_state(generation.group, mine, self.abort)
+                state = agree_state(generation.host, mine, self.abort)
                 self._record(generation.decision, _first_step(state))
                 return generation, state
             except FitAborted:
@@ -119,7 +121,7 @@ class ElasticMembership:
             try:
                 generation = run.form(decision)
                 formed = time.monotonic()
-                state = agree_state(generation.group, mine, self.abort)
+                state = agree_state(generation.host, mine, self.abort)
             except FitAborted:
                 raise
             except Exception as error:  # noqa: BLE001 - a member lost again while the group formed: change again

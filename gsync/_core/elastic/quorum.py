@@ -45,12 +45,14 @@ from typing import cast
 import logging
 
 import msgspec
+import torch
 import torch.distributed as dist
 
 from ...elastic import Elastic
 from ...errors import ConfigError
 from ..distributed.heartbeat import STALE_AFTER_S
 from ..threads import FitAborted
+from .recovery import abort_communicator
 
 __all__ = ("Decision", "ElasticRun", "Generation", "NotAMember", "RunGone", "run_scope")
 
@@ -80,14 +82,22 @@ class Decision(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class Generation:
-    """One membership of the run, with its group."""
+    """One membership of the run, with its groups."""
 
     number: int
     members: tuple[int, ...]
     group: dist.ProcessGroup
+    """The group the session's collectives run on: gloo on CPU, NCCL on CUDA devices."""
     store: dist.Store
     """The store under this generation's prefix (its failure reports and heartbeats)."""
     decision: Decision
+    host: dist.ProcessGroup
+    """A gloo group over the same members, for what the hosts exchange (the handover); ``group`` itself on CPU."""
+
+    def abort_collectives(self) -> None:
+        """End what is pending on an NCCL ``group`` (a change is coming); nothing for gloo."""
+        if self.group is not self.host:
+            abort_communicator(self.group)
 
     def rank_of(self, launch_rank: int) -> int:
         return self.members.index(launch_rank)
@@ -118,8 +128,18 @@ def _decode(raw: bytes) -> Decision:
 class ElasticRun:
     """One process's part in an elastic run on ``store``; every method blocks (store round trips, rendezvous)."""
 
-    def __init__(self, store: dist.Store, launch_rank: int, launch_world: int, settings: Elastic, group_timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        launch_rank: int,
+        launch_world: int,
+        settings: Elastic,
+        group_timeout: timedelta,
+        device: torch.device | None = None,
+    ) -> None:
         self.store = store
+        self.device = device
+        """The CUDA device of an NCCL run's collectives; ``None``: gloo only."""
         self.launch_rank = launch_rank
         self.launch_world = launch_world
         self.settings = settings
@@ -208,6 +228,7 @@ class ElasticRun:
         :raises NotAMember: when the decision leaves this rank out (it answered too late).
         """
         current = self._current()
+        current.abort_collectives()  # nothing of this generation is waited for again
         number = current.number
         if leaving:
             self.store.set(self.key(f"g{number}", f"left/{self.launch_rank}"), "1")
@@ -279,33 +300,39 @@ class ElasticRun:
     def _form(self, decision: Decision, timeout: timedelta | None = None) -> Generation:
         old = self.current
         prefix = self.key(f"g{decision.generation}")
-        group = dist.ProcessGroupGloo(
-            dist.PrefixStore(f"{prefix}/pg", self.store),
-            decision.members.index(self.launch_rank),
-            len(decision.members),
-            timeout or min(FORM_TIMEOUT, self.group_timeout),
-        )
-        group._set_default_timeout(self.group_timeout)  # the collectives' own, once every member connected
-        # A bare backend, which torch's collective functions take as a group (gsync broadcasts through its own call).
+        rank, size = decision.members.index(self.launch_rank), len(decision.members)
+        host = dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/pg", self.store), rank, size, timeout or min(FORM_TIMEOUT, self.group_timeout))
+        host._set_default_timeout(self.group_timeout)  # the collectives' own, once every member connected
+        # Bare backends, which torch's collective functions take as groups (gsync broadcasts through its own call).
+        group = cast(dist.ProcessGroup, host) if self.device is None else self._nccl_group(f"{prefix}/nccl", rank, size)
         generation = Generation(
-            decision.generation, decision.members, cast(dist.ProcessGroup, group), dist.PrefixStore(f"{prefix}/s", self.store), decision
+            decision.generation, decision.members, group, dist.PrefixStore(f"{prefix}/s", self.store), decision, cast(dist.ProcessGroup, host)
         )
         self.current = generation
         self.store.set(self.key(f"g{decision.generation}", "decided"), _encode(decision))
         self.store.set(self.key("current"), str(decision.generation))
         if old is not None:
-            self._retire(old.group)
+            self._retire(old)
         return generation
+
+    def _nccl_group(self, store_prefix: str, rank: int, size: int) -> dist.ProcessGroup:
+        """An NCCL group over the members (its communicator is made by its first collective). Not run on a GPU yet."""
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = self.group_timeout
+        return cast(dist.ProcessGroup, dist.ProcessGroupNCCL(dist.PrefixStore(store_prefix, self.store), rank, size, options))
 
     def not_formed(self, decision: Decision) -> None:
         """A decided generation whose group did not form: it becomes the one the next change starts from."""
         old = self._current()
-        self.current = Generation(decision.generation, decision.members, old.group, old.store, decision)
+        self.current = Generation(decision.generation, decision.members, old.group, old.store, decision, old.host)
 
-    def _retire(self, group: dist.ProcessGroup) -> None:
+    def _retire(self, generation: Generation) -> None:
         # Work a dead peer never completes may still be pending in the old group, and its destructor would
-        # wait for it: the group is kept until the run ends, so no thread of ours destroys it meanwhile.
-        self._retired.append(group)
+        # wait for it: the group is kept until the run ends, so no thread of ours destroys it meanwhile. An
+        # NCCL communicator is aborted (normally already, when the change began).
+        generation.abort_collectives()
+        self._retired.append(generation.group)
+        self._retired.append(generation.host)
 
     def finish(self) -> None:
         """The run ended normally on this rank: the last member to finish clears ``active`` for the next run."""

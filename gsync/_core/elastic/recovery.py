@@ -9,9 +9,18 @@ heartbeat gone silent, or a change another member asked for.
 
 from __future__ import annotations
 
+import logging
+import threading
+
+import torch.distributed as dist
+
 from ...errors import GsyncError, PeerLost, SyncFailed
 
-__all__ = ("MembershipBroken", "recoverable")
+__all__ = ("MembershipBroken", "abort_communicator", "recoverable")
+
+logger = logging.getLogger("gsync")
+_ABORTED: set[int] = set()
+_ABORTING = threading.Lock()
 
 
 class MembershipBroken(SyncFailed):
@@ -24,3 +33,30 @@ class MembershipBroken(SyncFailed):
 def recoverable(error: BaseException) -> bool:
     """Whether an elastic run goes on after ``error`` with a new membership."""
     return isinstance(error, (MembershipBroken, PeerLost)) and isinstance(error, GsyncError)
+
+
+def abort_communicator(group: object) -> None:
+    """Abort an NCCL group's communicator, once, so that its pending work ends instead of waiting on a dead peer.
+
+    NCCL waits on a peer that is gone without ever failing, so the members
+    abort the old generation's communicator as soon as they know a change is
+    coming (a heartbeat gone silent, a change asked for), before anything
+    waits on the GPU. ``abort()`` is what torch's own
+    ``_abort_process_group`` calls on each backend. A gloo group is left as
+    it is: its ``abort()`` does not end a pending receive (torch 2.13,
+    measured), and a process whose gloo group was aborted with work pending
+    crashed at exit ("terminate called without an active exception").
+
+    This has not run on a GPU (see the elastic runs page of the docs).
+    """
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None or not isinstance(group, nccl):
+        return
+    with _ABORTING:
+        if id(group) in _ABORTED:
+            return
+        _ABORTED.add(id(group))
+    try:
+        group.abort()
+    except Exception as error:  # noqa: BLE001 - the change goes on; the old group is retired either way
+        logger.warning("gsync: aborting the old NCCL communicator failed: %s", error)

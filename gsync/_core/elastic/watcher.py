@@ -63,6 +63,8 @@ class ReformWatcher:
                 if store.check([reform]):
                     if not run.leaving:  # a departing rank says so itself, at the step boundary
                         store.set(run.key(f"g{number}", f"in/{run.launch_rank}"), "1")
+                    # Before the session hears of it: what waits on an NCCL collective with a dead peer ends now.
+                    self._generation.abort_collectives()
                     self._on_reform()
                     return
                 count = store.add(knocks, 0)

@@ -96,7 +96,10 @@ class SessionService:
         self.fit_task: object = None
         """The task running that fit (its callbacks may call the session; other tasks may not)."""
         self.elastic = (
-            ElasticMembership(settings.elastic, settings.store, settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S)
+            ElasticMembership(
+                settings.elastic, settings.store, settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S,
+                settings.devices[0].torch_device,
+            )
             if settings.elastic is not None
             else None
         )

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..distributed.waiting import broadcast_from, wait_work
+from ..distributed.waiting import GROUP_TYPES, broadcast_from, wait_work
 from ...errors import ConfigError, GsyncError
 from ..topology import Topology
 
@@ -56,7 +56,7 @@ class ProcessGroupCollective:
     """
 
     def __init__(self, group: dist.ProcessGroup, topology: Topology, abort: threading.Event | None = None) -> None:
-        if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
+        if group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(group, GROUP_TYPES):
             raise ConfigError(
                 "ProcessGroupCollective needs a torch.distributed.ProcessGroup this process belongs to; "
                 f"got {group!r}"

@@ -5,6 +5,7 @@ Real gloo groups form over loopback; what is left out is the training, which the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 import gsync
 from gsync._core.elastic.quorum import ElasticRun, NotAMember, run_scope
+from gsync._core.elastic.watcher import ReformWatcher
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -132,3 +134,37 @@ def test_elastic_settings_are_checked_before_any_work() -> None:
         gsync.Engine(["cpu"], elastic=True, process_group=object())  # type: ignore[arg-type]
     change = gsync.MembershipChange(step=4, lost=(1,), joined=(), world_size=2)
     assert str(change) == "membership change at step 4: lost rank(s) 1; 2 rank(s) now"
+
+
+class StandInNccl:
+    """Stands in for torch's ProcessGroupNCCL, which a CPU build of torch does not have: it counts aborts."""
+
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+@pytest.mark.timeout(60)
+def test_an_nccl_generation_aborts_its_communicator_before_the_session_hears_of_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL waits on a dead peer for ever: the communicator is aborted the moment a change is known, once.
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNccl, raising=False)
+    server = store_server()
+    runs = started(server, 2, gsync.Elastic(answer_within=5.0))
+    for run in runs:
+        run.current = dataclasses.replace(run.current, group=StandInNccl())
+    heard: list[int] = []
+    watched = runs[1].current
+    watcher = ReformWatcher(runs[1], watched, lambda: heard.append(watched.group.aborted), lambda: None)
+    watcher.start()
+    abort = threading.Event()
+    decision = runs[0].reform(abort)  # rank 1's watcher answers for it
+    assert decision.members == (0, 1)
+    assert heard == [1]  # aborted before the session was told
+    assert runs[0].current.group.aborted == 1
+    before = runs[0].current.group
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda run: run.form(decision), runs))
+    assert before.aborted == 1  # retiring it does not abort it again
+    watcher.stop()
