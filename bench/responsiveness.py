@@ -39,7 +39,8 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: the repository root on the path (never tests/), as -m puts it
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import NOISY_CORES, Window, noisy_mark, other_load, quiet_warnings  # noqa: E402
 

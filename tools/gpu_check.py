@@ -1,14 +1,15 @@
 """One script to run on a GPU machine: everything we need to know about gsync's CUDA path, in < 8 minutes.
 
-    python bench/gpu_check.py                  # every part, within --budget seconds (default 450)
-    python bench/gpu_check.py --only tests,exactness
+    python tools/gpu_check.py                  # every part, within --budget seconds (default 450)
+    python tools/gpu_check.py --only tests,exactness
 
 Parts, each in its own subprocess with its own timeout, so a hang or a crash in
 one prints a FAILED line and the next part still runs; within a part each
 check is guarded and timed on its own:
 
   versions    torch / CUDA / NCCL versions, GPU names
-  tests       python -m pytest -q tests/test_streams.py tests/comm tests/test_readout.py tests/test_cuda_desk_check.py
+  tests       python -m pytest -q tests/unit/streams tests/unit/transports tests/unit/comm/test_*conformance.py
+              tests/unit/step/test_readout.py tests/unit/test_cuda_desk_check.py
   exactness   gsync.Engine(["cuda:0"]) vs a plain one-GPU loop; then recipes (BatchNorm, accumulation,
               fp16 + GradScaler, clipping, a complex parameter, a model with its own side stream) on 1 GPU
               (and 2) vs gsync on as many CPU devices (which the CPU suite ties to plain PyTorch); and a
@@ -22,7 +23,7 @@ needs two. docs/gpus.md says which result means what.
 
 Every result is also printed as a ``RESULT`` line and repeated in the summary at the end.
 The repository root is put on PYTHONPATH, so gsync need not be installed (the plain loop
-is the tests' own, ``tests/plain_loop.py``); it needs
+is the tests' own, ``tests/support/plain_loop.py``); it needs
 msgspec and anyio (and pytest-asyncio for the test config), which the script checks first.
 """
 
@@ -54,7 +55,14 @@ PARTS: dict[str, float] = {  # part -> timeout in seconds; the sum stays under t
     "steptime": 110,
     "bandwidth": 45,
 }
-TEST_FILES = ("tests/test_streams.py", "tests/comm", "tests/test_readout.py", "tests/test_cuda_desk_check.py")
+TEST_FILES = (
+    "tests/unit/streams",
+    "tests/unit/transports",
+    "tests/unit/comm/test_conformance.py",
+    "tests/unit/comm/test_nccl_conformance.py",
+    "tests/unit/step/test_readout.py",
+    "tests/unit/test_cuda_desk_check.py",
+)
 RESULT = "RESULT "
 
 

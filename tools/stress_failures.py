@@ -1,14 +1,18 @@
 """Repeat every multi-process failure scenario many times and count the clean runs.
 
-    .venv/bin/python bench/stress_failures.py [--repeats 30] [--hog] [--only NAME ...]
-    .venv/bin/python bench/stress_failures.py --only elastic --repeats 10 --hog   # the elastic scenarios only
+    .venv/bin/python -m tools.stress_failures [--repeats 30] [--hog] [--only NAME ...]
+    .venv/bin/python -m tools.stress_failures --only elastic --repeats 10 --hog   # the elastic scenarios only
+
+(from the repository root; ``python tools/stress_failures.py`` works too).
 
 A run is clean when every rank that is meant to survive returns the expected
 gsync error *and* its process exits with status 0: a native abort during
 shutdown (SIGABRT, ``terminate called without an active exception``) or a
 hang counts as a failure even if the error was right. ``--hog`` keeps one
 busy-looping process per core running beside the ranks, as a loaded CI
-machine would. The scenarios are the multi-process tests' own functions.
+machine would. The scenarios are the multi-process tests' own rank functions, run by
+file path through the tests' harness (``tests/support/harness.py``): the ranks import
+the test module, this process never does.
 
 The elastic scenarios (``elastic: ...``) run the elastic tests' rank job
 (``tests/multiproc/elastic_job.py``) through their harness
@@ -35,19 +39,45 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-# The scenarios are test modules: they import as under pytest, which puts both folders on the path.
-_TESTS = Path(__file__).resolve().parents[1] / "tests"
-sys.path[:0] = [str(_TESTS / "multiproc"), str(_TESTS)]
+from dataclasses import dataclass
 
-import test_engine_multiprocess as scenarios  # noqa: E402
-import test_heartbeat_multiprocess as heartbeat_scenarios  # noqa: E402
-import test_session_multiprocess as session_scenarios  # noqa: E402
-from harness import RankResult, run_ranks  # noqa: E402
+_ROOT = Path(__file__).resolve().parents[1]
+if __package__ in (None, ""):  # run as a script: the repository root on the path, as ``-m`` from the root puts it
+    sys.path.insert(0, str(_ROOT))
 
-# The elastic job and its harness import as the repository's modules (``tests.multiproc...``), as the tests do.
-_ROOT = str(_TESTS.parent)
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
+from tests.support.harness import RankResult, run_file_ranks  # noqa: E402
+
+_MULTIPROC = _ROOT / "tests" / "multiproc"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """A multi-process test's rank function, by file and name, and how the tests run it."""
+
+    file: str
+    function: str
+    args: tuple[Any, ...] = ()
+    world_size: int = 2
+    grace: float = 5.0
+    """How long the survivors may take to exit once a rank failed (a killed, frozen or stuck peer's survivor may
+    take seconds to exit under load: the tests give it 20 s too)."""
+
+    def run(self) -> list[RankResult]:
+        return run_file_ranks(_MULTIPROC / self.file, self.function, self.world_size, args=self.args, timeout=80,
+                              failure_grace=self.grace)
+
+
+def engine(function: str, *args: Any, grace: float = 5.0) -> Ranks:
+    return Ranks("test_engine_multiprocess.py", function, args, grace=grace)
+
+
+def heartbeat(function: str, *args: Any, world_size: int = 2) -> Ranks:
+    return Ranks("test_heartbeat_multiprocess.py", function, args, world_size, grace=20.0)
+
+
+def session(function: str, *args: Any) -> Ranks:
+    return Ranks("test_session_multiprocess.py", function, args)
+
 
 Check = Callable[[list[RankResult]], str | None]
 
@@ -99,54 +129,43 @@ def _config_error_everywhere(results: list[RankResult]) -> str | None:
 # Where a frozen or stuck rank 1 leaves its pid, for rank 0 to end it once named.
 _PID_FILE = Path(tempfile.mkdtemp(prefix="gsync-stress-")) / "pid"
 
-SCENARIOS: dict[str, tuple[Callable[[], Any], Check]] = {
-    "worker failure on rank 1": (scenarios.fail_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed"))),
-    "data failure on rank 1": (scenarios.data_fails_on_rank_1, _all(_expect(0, "PeerFailed"), _expect(1, "DataFailed"))),
-    "rank 1 SIGKILLed": (scenarios.killed_at_step_2, _killed_rank_1),
-    "rank 1 frozen (SIGSTOP)": (partial(heartbeat_scenarios.stopped_at_step_2, _PID_FILE), _expect(0, "PeerLost")),
-    "rank 1 stuck in its data": (partial(heartbeat_scenarios.data_stuck_on_rank_1, _PID_FILE), _expect(0, "PeerLost")),
+SCENARIOS: dict[str, tuple[Ranks, Check]] = {
+    "worker failure on rank 1": (engine("fail_on_rank_1"), _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed"))),
+    "data failure on rank 1": (engine("data_fails_on_rank_1"), _all(_expect(0, "PeerFailed"), _expect(1, "DataFailed"))),
+    "rank 1 SIGKILLed": (engine("killed_at_step_2", grace=20.0), _killed_rank_1),
+    "rank 1 frozen (SIGSTOP)": (heartbeat("stopped_at_step_2", _PID_FILE), _expect(0, "PeerLost")),
+    "rank 1 stuck in its data": (heartbeat("data_stuck_on_rank_1", _PID_FILE), _expect(0, "PeerLost")),
     "rank 1 stuck in its loss": (
-        partial(heartbeat_scenarios.loss_stuck_on_rank_1, _PID_FILE),
+        heartbeat("loss_stuck_on_rank_1", _PID_FILE),
         _expect(0, "PeerLost", "PeerFailed"),
     ),
-    "rank 0 (store host) SIGKILLed": (heartbeat_scenarios.store_host_killed_at_step_2, _killed_rank_0),
+    "rank 0 (store host) SIGKILLed": (heartbeat("store_host_killed_at_step_2"), _killed_rank_0),
     "3 ranks, rank 2 stuck in its data": (
-        partial(heartbeat_scenarios.data_stuck_on_rank_2_of_3, _PID_FILE),
+        heartbeat("data_stuck_on_rank_2_of_3", _PID_FILE, world_size=3),
         _all(_expect(0, "PeerLost", "PeerFailed"), _expect(1, "PeerLost", "PeerFailed")),
     ),
     "data ends at different steps": (
-        scenarios.uneven_data_lengths,
+        engine("uneven_data_lengths"),
         _all(_expect(0, "ConfigError"), _expect(1, "ConfigError")),
     ),
-    "parameter mismatch": (scenarios.mismatched_model, _config_error_everywhere),
+    "parameter mismatch": (engine("mismatched_model"), _config_error_everywhere),
     "session: rank 1 leaves early": (
-        session_scenarios.rank_1_leaves_early,
+        session("rank_1_leaves_early"),
         _all(_expect(0, "PeerFailed"), _expect(1, None)),
     ),
     "session: peer fails between steps": (
-        session_scenarios.failure_while_rank_0_waits_between_steps,
+        session("failure_while_rank_0_waits_between_steps"),
         _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed")),
     ),
     "session: peer fails in evaluate": (
-        partial(session_scenarios.failures_outside_steps, "evaluate"),
+        session("failures_outside_steps", "evaluate"),
         _all(_expect(0, "PeerFailed"), _expect(1, "WorkerFailed")),
     ),
     "session: peer's own exception": (
-        partial(session_scenarios.failures_outside_steps, "user_exception"),
+        session("failures_outside_steps", "user_exception"),
         _all(_expect(0, "PeerFailed"), _expect(1, "KeyError")),
     ),
 }
-
-
-# A survivor of a killed, frozen or stuck peer may take seconds to exit under load (the tests give it 20 s too).
-_SLOW_TO_EXIT = (
-    scenarios.killed_at_step_2,
-    heartbeat_scenarios.stopped_at_step_2,
-    heartbeat_scenarios.data_stuck_on_rank_1,
-    heartbeat_scenarios.loss_stuck_on_rank_1,
-    heartbeat_scenarios.store_host_killed_at_step_2,
-    heartbeat_scenarios.data_stuck_on_rank_2_of_3,
-)
 
 
 # -- elastic scenarios: a run each, with the store hosted here; the problem seen, or None ---------------------------
@@ -294,13 +313,8 @@ def main() -> None:
                 if name in ELASTIC_SCENARIOS:
                     problem = scenario()
                 else:
-                    fn, check = scenario
-                    target, fn_args = (fn.func, fn.args) if isinstance(fn, partial) else (fn, ())
-                    # The grace the tests give: the SIGKILL scenario's survivor may take longer to exit under load.
-                    grace = 20.0 if target in _SLOW_TO_EXIT else 5.0
-                    world = 3 if target is heartbeat_scenarios.data_stuck_on_rank_2_of_3 else 2
-                    results = run_ranks(target, world, args=fn_args, timeout=80, failure_grace=grace)
-                    problem = check(results)
+                    ranks, check = scenario
+                    problem = check(ranks.run())
                 if problem is None:
                     clean += 1
                 else:

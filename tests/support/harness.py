@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ("RankResult", "RanksTimedOut", "free_port", "run_ranks")
+__all__ = ("RankResult", "RanksTimedOut", "free_port", "run_file_ranks", "run_ranks")
 
 # How long the other ranks may keep running after one rank failed: enough to
 # raise their own (often more telling) error, not enough to sit out a gloo timeout.
@@ -196,6 +196,29 @@ def run_ranks(
     path = getattr(module, "__file__", None)
     if path is None or fn.__qualname__ != fn.__name__:
         raise TypeError(f"{fn!r} must be a module-level function of a module loaded from a file")
+    return run_file_ranks(
+        path, fn.__name__, world_size, module=fn.__module__, args=args, timeout=timeout, env=env, check=check,
+        failure_grace=failure_grace,
+    )
+
+
+def run_file_ranks(
+    path: str | os.PathLike[str],
+    function: str,
+    world_size: int = 2,
+    *,
+    module: str | None = None,
+    args: Sequence[Any] = (),
+    timeout: float = 60.0,
+    env: Mapping[str, str] | None = None,
+    check: bool = False,
+    failure_grace: float = FAILURE_GRACE_S,
+) -> list[RankResult]:
+    """:func:`run_ranks` for the function named ``function`` of the Python file ``path``, which only the ranks
+    import (as ``module``, by default the file's name): a tool runs a test file's rank functions this way without
+    importing the test module itself."""
+    path = os.fspath(path)
+    module = module or Path(path).stem
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gsync-ranks-") as tmp:
         workdir = Path(tmp)
@@ -209,7 +232,7 @@ def run_ranks(
                 stderr = open(workdir / f"stderr{rank}.txt", "wb")
                 with stderr:
                     proc = subprocess.Popen(
-                        [sys.executable, "-c", _BOOT, str(path), fn.__module__, fn.__name__, str(args_path),
+                        [sys.executable, "-c", _BOOT, path, module, function, str(args_path),
                          str(workdir / f"result{rank}.pkl"), str(max(timeout - 2.0, 0.5)), str(os.getpid()),
                          json.dumps([entry for entry in sys.path if isinstance(entry, str)])],
                         env=_rank_env(rank, world_size, port, env),

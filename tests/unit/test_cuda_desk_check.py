@@ -4,7 +4,7 @@ Each CPU case runs the real code on real torch objects; the few stand-ins
 refuse what torch refuses (a collective that rejects complex tensors as NCCL
 does, an event with exactly ``torch.cuda.Event.query``'s signature). What
 only a GPU can tell is in the CUDA cases at the end (skipped here) and in
-``bench/gpu_check.py``.
+``tools/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ async def test_a_scaled_step_reports_its_skip_without_reading_the_scale(
 
 
 # --------------------------------------------------------------------------------------------------
-# On a GPU (bench/gpu_check.py runs these)
+# On a GPU (tools/gpu_check.py runs these)
 # --------------------------------------------------------------------------------------------------
 
 
