@@ -3,6 +3,7 @@ before any optimizer step, leaving the user's model untouched."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from torch import nn
 import gsync
 from gsync_pytest import gsync_threads
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -190,10 +192,15 @@ async def test_bad_engine_options() -> None:
 
 
 async def test_batch_smaller_than_the_device_count_is_allowed() -> None:
+    # One row on three devices: two devices get an empty shard, and the step is still the whole batch's.
+    model = TiedNet()
+    batches = make_batches(2, 1)
+    expected, expected_losses = train_reference(model, batches)
     result = await gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).fit(
-        TiedNet(), make_batches(2, 1), optimizer=sgd, loss_fn=classification_loss
+        copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss
     )
-    assert len(result.losses) == 2
+    assert result.losses == pytest.approx(expected_losses, abs=2e-5)
+    assert_same_state(result.model, expected)
 
 
 async def test_resuming_past_the_end_of_the_data_is_refused() -> None:

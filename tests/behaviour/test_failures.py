@@ -182,9 +182,12 @@ async def test_cancellation_from_outside_stops_everything_and_propagates(how: st
     assert time.monotonic() - cancelled_at < 1.0
     assert gsync_threads() == []
     assert_no_tasks_left()
-    # The engine is usable again.
-    result = await engine.fit(TiedNet(), **fit_args(2))
-    assert len(result.losses) == 2
+    # The engine is usable again: it trains as a plain loop does.
+    model = TiedNet()
+    expected, expected_losses = train_reference(model, fit_args(2)["data"])
+    result = await engine.fit(copy.deepcopy(model), **fit_args(2))
+    assert result.losses == pytest.approx(expected_losses, abs=2e-5)
+    assert_same_state(result.model, expected)
 
 
 async def test_no_traceback_escapes_any_thread(capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

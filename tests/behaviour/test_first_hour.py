@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -21,6 +22,7 @@ import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, train_reference
 from tests.support.paths import ROOT
 
 pytest_plugins = ("pytester",)
@@ -73,8 +75,13 @@ async def test_a_module_whose_forward_takes_model_and_batch_is_a_loss_fn_still()
         def forward(self, model: nn.Module, batch: Any) -> torch.Tensor:
             return F.cross_entropy(model(batch[0]), batch[1])
 
-    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=Criterion())
-    assert len(result.losses) == 2
+    model = TiedNet()
+    expected, expected_losses = train_reference(model, make_batches(2, 8))  # loss_fn: the same cross-entropy
+    result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+        copy.deepcopy(model), make_batches(2, 8), optimizer=sgd, loss_fn=Criterion()
+    )
+    assert result.losses == pytest.approx(expected_losses, abs=2e-5)
+    assert_same_state(result.model, expected)
 
 
 def test_the_progress_bar_comes_with_gsync_and_the_widget_with_the_notebook_extra() -> None:

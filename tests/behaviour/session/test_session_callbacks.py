@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import gsync
 import gsync.testing
@@ -17,6 +18,16 @@ from tests.support.tasks import assert_no_tasks_left
 pytestmark = pytest.mark.asyncio
 
 TWO = ["cpu:0", "cpu:1"]
+
+
+EVAL_BATCH = make_batches(1, 8)[0]
+
+
+def plain_eval_loss(model: nn.Module) -> float:
+    """What ``session.evaluate([EVAL_BATCH])`` must give on ``model``: the batch's mean loss, in eval mode."""
+    model = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        return classification_loss(model, EVAL_BATCH).item()
 
 
 class Recorder:
@@ -33,8 +44,9 @@ class Recorder:
         self.calls.append(("epoch", epoch))
 
     async def on_fit_end(self, session: gsync.Session) -> None:
-        metrics = await session.evaluate(make_batches(1, 8))
-        self.calls.append(("end", round(metrics["loss"], 3) > 0))
+        # At fit's end the session still holds the trained weights: evaluate sees them.
+        metrics = await session.evaluate([EVAL_BATCH])
+        self.calls.append(("end", metrics["loss"]))
 
 
 async def test_callbacks_run_in_order_between_steps() -> None:
@@ -42,11 +54,11 @@ async def test_callbacks_run_in_order_between_steps() -> None:
     result = await gsync.Engine(TWO).fit(
         TiedNet(), make_batches(3, 8), optimizer=sgd, loss_fn=classification_loss, epochs=2, callbacks=[recorder]
     )
-    assert recorder.calls == [
+    assert recorder.calls[:-1] == [
         ("step", 0), ("step", 1), ("step", 2), ("epoch", 0),
         ("step", 3), ("step", 4), ("step", 5), ("epoch", 1),
-        ("end", True),
     ]  # fmt: skip
+    assert recorder.calls[-1] == ("end", pytest.approx(plain_eval_loss(result.model), abs=1e-5))
     assert [(r.step, r.epoch) for r in result.history] == [(0, 0), (1, 0), (2, 0), (3, 1), (4, 1), (5, 1)]
     assert [r.loss for r in result.history] == result.losses
     assert all(r.rows == 8 and r.lr == 0.1 and r.seconds > 0 for r in result.history)
@@ -82,8 +94,8 @@ async def test_stop_training_ends_fit_early_with_the_steps_done(no_leaks: None) 
     expected, _ = train_reference(model, batches[:4])
     result = await gsync.Engine(TWO).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss, callbacks=[recorder])
     assert len(result.losses) == 4 and result.checkpoint.step == 3
-    assert recorder.calls[-1] == ("end", True)
     assert_same_state(result.model, expected)
+    assert recorder.calls[-1] == ("end", pytest.approx(plain_eval_loss(expected), abs=1e-5))
 
 
 async def test_any_other_callback_exception_propagates_unchanged(no_leaks: None) -> None:
