@@ -214,11 +214,17 @@ def _exit_codes(ranks: Any, names: list[str]) -> dict[str, int | None]:
     return codes
 
 
-def elastic_killed(victim: int) -> str | None:
-    """3 ranks, elastic; ``victim`` SIGKILLs itself mid-step (in loss_fn at step 4): the survivors end exact."""
+def elastic_killed(victim: int, how: str = "kill") -> str | None:
+    """3 ranks, elastic; ``victim`` SIGKILLs itself mid-step (in loss_fn at step 4), or SIGTERMs itself there and
+    departs (``how="term"``), or SIGKILLs itself as the first session opens (``how="opening"``): the others end
+    exact, having recorded the one change."""
     from tests.multiproc.elastic_ranks import ElasticRanks
 
-    config = {"steps": _ELASTIC_STEPS, "die": {"rank": victim, "step": 4, "how": "kill"}}
+    config: dict[str, Any] = {"steps": _ELASTIC_STEPS}
+    if how == "opening":
+        config["dies_opening"] = victim
+    else:
+        config["die"] = {"rank": victim, "step": 4, "how": how}
     kept = [str(rank) for rank in range(3) if rank != victim]
     with ElasticRanks(3, config) as ranks:
         try:
@@ -227,14 +233,22 @@ def elastic_killed(victim: int) -> str | None:
             return f"{error}\n{ranks.logs()}"
         codes = _exit_codes(ranks, [str(rank) for rank in range(3)])
         logs = ranks.logs()
-    if codes[str(victim)] != -signal.SIGKILL:
+    if how == "term":
+        departed = outcomes.get(str(victim)) or {}
+        if departed.get("type") != "Departed" or codes[str(victim)] != 0:
+            return f"rank {victim} should have departed (Departed, exit status 0): {departed.get('type')}, exit status {codes[str(victim)]}\n{logs}"
+    elif codes[str(victim)] != -signal.SIGKILL:
         return f"rank {victim} should have died of its SIGKILL, exit status {codes[str(victim)]}\n{logs}"
     problem = _elastic_problem(kept, _elastic_reference(_ELASTIC_STEPS), outcomes, codes)
+    reason = "left" if how == "term" else "lost"
     if problem is None:
         for name in kept:
             changes = outcomes[name]["membership"]
-            if len(changes) != 1 or changes[0][1:4] != ((victim,), (), 2) or changes[0][5] != "lost":
-                problem = f"rank {name} recorded the membership changes {changes}, expected one: rank {victim} lost"
+            if len(changes) != 1 or changes[0][1:4] != ((victim,), (), 2) or changes[0][5] != reason:
+                problem = f"rank {name} recorded the membership changes {changes}, expected one: rank {victim} {reason}"
+                break
+            if how == "opening" and changes[0][0] != 0:
+                problem = f"rank {name} recorded the change at step {changes[0][0]}, not before step 0"
                 break
     return None if problem is None else f"{problem}\n{logs}"
 
@@ -279,6 +293,8 @@ ELASTIC_SCENARIOS: dict[str, Callable[[], str | None]] = {
     "elastic: rank 1 SIGKILLed mid-step": partial(elastic_killed, 1),
     "elastic: rank 0 SIGKILLed mid-step": partial(elastic_killed, 0),
     "elastic: killed rank 1 restarted, rejoins": elastic_killed_and_restarted,
+    "elastic: rank 1 SIGTERMed, departs": partial(elastic_killed, 1, "term"),
+    "elastic: rank 1 killed as the session opens": partial(elastic_killed, 1, "opening"),
 }
 
 
