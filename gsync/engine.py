@@ -9,9 +9,7 @@ engine receive of it is one frozen settings object, taken as a session opens.
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import os
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any, Literal
@@ -20,17 +18,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._core.threads import THREADS_PER_THREAD
 from .checkpoint import Checkpoint
-from ._core.state.checkpointing import resolve_resume
 from .comm.compressed import CompressionHook, resolve_compression
-from ._core.step.context import Recipe, SiteHook
-from ._core.devices import DeviceSpec, parse_devices
+from ._core.step.context import SiteHook
+from ._core.arguments import checked_recipe, positive, resume_argument
+from ._core.devices import DeviceSpec, parse_devices, plan_device_threads
 from ._core.session.service import SessionSlot
 from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
 from .elastic import Elastic
-from .errors import ConfigError, InputTypeError
+from .errors import ConfigError
 from ._core.session.fit import FitLoopSettings
 from .result import FitResult, FitStats
 from .session import SessionOpener
@@ -41,15 +38,6 @@ from .types import LossFn, OptimizerFactory, SchedulerFactory
 __all__ = ("Engine", "FitResult", "FitStats")
 
 logger = logging.getLogger("gsync")
-
-_AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _positive(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
-
 
 class Engine:
     """Data-parallel training over this process's devices, and over other processes' when it spans several.
@@ -159,9 +147,9 @@ class Engine:
         device_threads: Literal["auto", "shared", "per_device"] = "auto",
         elastic: bool | Elastic = False,
     ) -> None:
-        self.bucket_cap_mb = _positive("bucket_cap_mb", bucket_cap_mb)
-        self.first_bucket_mb = _positive("first_bucket_mb", first_bucket_mb)
-        self.sync_timeout = _positive("sync_timeout", sync_timeout)
+        self.bucket_cap_mb = positive("bucket_cap_mb", bucket_cap_mb)
+        self.first_bucket_mb = positive("first_bucket_mb", first_bucket_mb)
+        self.sync_timeout = positive("sync_timeout", sync_timeout)
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite: Literal["raise", "skip"] = on_nonfinite
@@ -172,8 +160,6 @@ class Engine:
         ):
             raise ConfigError(f"check_replicas_every must be a positive int or None, got {check_replicas_every!r}")
         self.check_replicas_every = check_replicas_every
-        if device_threads not in ("auto", "shared", "per_device"):
-            raise ConfigError(f"device_threads must be 'auto', 'shared' or 'per_device', got {device_threads!r}")
         self.process_group = process_group
         self.store = store
         self.elastic: Elastic | None = Elastic.of(elastic)
@@ -192,30 +178,15 @@ class Engine:
                 "gsync: elastic=... on CUDA devices re-forms NCCL groups and aborts the old communicator after a "
                 "loss; this path has not been run on a GPU yet (see the elastic runs page of the docs)"
             )
-        on_cpu = all(spec.torch_device.type == "cpu" for spec in self.devices)
-        if device_threads == "shared" and not on_cpu:
-            raise ConfigError(
-                "device_threads='shared' is for CPU devices; "
-                f"{', '.join(s.name for s in self.devices if s.torch_device.type != 'cpu')} each need their own "
-                "thread to launch kernels while the others do: use 'per_device' or 'auto'"
-            )
-        cores = torch.get_num_threads()
-        several_cpus = on_cpu and len(self.devices) > 1
-        shared = device_threads == "shared" or (
-            device_threads == "auto" and several_cpus and (len(self.devices) > cores or not THREADS_PER_THREAD)
-        )
-        self.device_threads: Literal["shared", "per_device"] = "shared" if shared else "per_device"
+        plan = plan_device_threads(self.devices, device_threads)
+        self.device_threads: Literal["shared", "per_device"] = plan.device_threads
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
-        split = several_cpus and not shared and THREADS_PER_THREAD
-        self.intra_op_threads: tuple[int, int] | None = None
+        self.intra_op_threads: tuple[int, int] | None = plan.intra_op_threads
         """Torch intra-op threads for each device thread and for the communication thread, when this process's
         CPU devices each have a thread and split its cores (``torch.get_num_threads()`` as the engine is built):
         an equal share per device, the cores left over (at least one) for the reduction. ``None``: each thread
         runs with the count of the thread that opens the session."""
-        if split:
-            share = max(1, cores // len(self.devices))
-            self.intra_op_threads = (share, max(1, cores - share * len(self.devices)))
-        self.devices_in_turn = len(self.devices) if on_cpu else 1
+        self.devices_in_turn = plan.devices_in_turn
         """How many of this process's devices may run one after another within a step, each given
         ``sync_timeout``: CPU devices always may (on a shared thread, or in the first step's turns)."""
         if check_replicas_every is not None and len(self.devices) < 2:
@@ -313,8 +284,8 @@ class Engine:
             while this engine has another session open (naming where it was
             opened); for ``with`` without ``async``; and for the held form on trio.
         """
-        resume = _resolve_resume(resume)
-        recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        resume = resume_argument(resume)
+        recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         return SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data))
 
     async def aclose(self) -> None:
@@ -412,8 +383,8 @@ class Engine:
         :raises ~gsync.DataFailed: when iterating ``data`` raises.
         :raises ~gsync.PeerFailed: when another process's fit failed.
         """
-        resume = _resolve_resume(resume, checkpoint_dir)
-        recipe = _recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        resume = resume_argument(resume, checkpoint_dir)
+        recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
         async with SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data)) as session:
             result = await session._fit(data, settings, result_model=model)
@@ -424,108 +395,3 @@ def _default_devices_of_this_process() -> list[str]:
     if torch.cuda.is_available():
         return [f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"]
     return ["cpu"]
-
-
-def _resolve_resume(resume: object, checkpoint_dir: object = None) -> Checkpoint | None:
-    if resume is None or isinstance(resume, (Checkpoint, str, os.PathLike)):
-        directory = checkpoint_dir if isinstance(checkpoint_dir, (str, os.PathLike)) else None
-        return resolve_resume(resume, directory)  # type: ignore[arg-type]
-    raise InputTypeError(
-        f"resume must be a gsync.Checkpoint, a checkpoint file or a checkpoint directory, got {type(resume).__name__}"
-    )
-
-
-def _recipe(
-    model: object,
-    optimizer: object,
-    loss_fn: object,
-    scheduler: object,
-    clip_grad_norm: object,
-    autocast: object,
-    resume: object,
-) -> Recipe:
-    """Check the arguments a session and a fit share, and bundle the recipe.
-
-    :raises ~gsync.InputTypeError: or :class:`~gsync.ConfigError`, naming what to change.
-    """
-    if not isinstance(model, nn.Module):
-        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    # Each replica is a copy moved onto its device, and a meta tensor has a shape but no data to move: torch's own
-    # "Cannot copy out of meta tensor" would come from deep inside the session's start.
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, tensor in named:
-            if tensor.is_meta:
-                raise ConfigError(
-                    f"{kind} {name} is on the meta device (a shape with no data), so there is nothing to copy onto "
-                    "each device: materialize the model first, e.g. model.to_empty(device='cpu') and then "
-                    "initialize it (model.load_state_dict(state) or each layer's reset_parameters()), "
-                    "or build it on a real device"
-                )
-    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-        raise InputTypeError(
-            "optimizer must be a factory, called once per replica with that replica's parameters, "
-            "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
-        )
-    if not callable(loss_fn):
-        raise InputTypeError("loss_fn must be callable as loss_fn(model, shard) -> scalar tensor")
-    # torch's losses take (input, target): passed as loss_fn they would fail on every device at step 0 with
-    # "argument 'input' must be Tensor, not Sequential", which never says what gsync calls.
-    calls = "gsync calls loss_fn(model, batch) with each device's replica and its shard of the batch"
-    wrap = (
-        f"{calls}; wrap the loss, e.g. criterion = nn.CrossEntropyLoss(); "
-        "loss_fn=lambda model, batch: criterion(model(batch[0]), batch[1])"
-    )
-    if isinstance(loss_fn, type) and issubclass(loss_fn, nn.Module):
-        raise InputTypeError(f"loss_fn is the class {loss_fn.__name__}, not a loss function; {wrap}")
-    if isinstance(loss_fn, nn.modules.loss._Loss):
-        raise InputTypeError(f"loss_fn is a {type(loss_fn).__name__} module, which takes (input, target); {wrap}")
-    if getattr(loss_fn, "__module__", None) == "torch.nn.functional":
-        name = getattr(loss_fn, "__name__", "loss")
-        raise InputTypeError(f"loss_fn is torch.nn.functional.{name}, which takes (input, target); {wrap}")
-    try:
-        inspect.signature(loss_fn).bind(model, None)
-    except TypeError as error:
-        raise InputTypeError(
-            f"loss_fn cannot be called as loss_fn(model, batch) ({error}): {calls}, and takes back the shard's mean loss"
-        ) from None
-    except ValueError:
-        pass  # no signature to read (a builtin): the first step tells
-    # A scheduler already built has a step method; so does a scheduler class, which is a factory (LinearLR).
-    built = hasattr(scheduler, "step") and not isinstance(scheduler, type)
-    if scheduler is not None and (not callable(scheduler) or built):
-        raise InputTypeError(
-            "scheduler must be a factory, called once per replica with that replica's optimizer, "
-            "e.g. scheduler=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 10)"
-        )
-    if isinstance(scheduler, type):
-        _check_builds_from_the_optimizer_alone(scheduler)
-    if clip_grad_norm is not None:
-        clip_grad_norm = _positive("clip_grad_norm", clip_grad_norm)
-    if autocast is not None and autocast not in _AUTOCAST_DTYPES:
-        raise ConfigError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
-    if resume is not None and not isinstance(resume, Checkpoint):
-        raise InputTypeError(
-            f"resume must be a gsync.Checkpoint (an error's, a result's, or Checkpoint.load(path)), got {type(resume).__name__}"
-        )
-    if resume is not None:
-        resume.check_fits(model)
-    return Recipe(
-        loss_fn=loss_fn,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
-        scheduler=scheduler,  # type: ignore[arg-type]
-        clip_grad_norm=clip_grad_norm,  # type: ignore[arg-type]
-        autocast=autocast,  # type: ignore[arg-type]
-    )
-
-
-def _check_builds_from_the_optimizer_alone(scheduler: type) -> None:
-    try:
-        inspect.signature(scheduler).bind(object())
-    except ValueError:
-        return  # no signature to read (a builtin): building it will tell
-    except TypeError as error:
-        name = scheduler.__name__
-        raise InputTypeError(
-            f"scheduler={name} needs more than the optimizer to build ({error}); give a factory instead, "
-            f"e.g. scheduler=lambda optimizer: {name}(optimizer, ...)"
-        ) from None

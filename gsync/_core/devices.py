@@ -10,12 +10,15 @@ only knows one CPU device, so the index is gsync's, and tensors live on
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from ..errors import ConfigError, InputTypeError
+from .threads import THREADS_PER_THREAD
 
-__all__ = ("DeviceSpec", "parse_devices", "default_devices")
+__all__ = ("DeviceSpec", "DeviceThreadPlan", "default_devices", "parse_devices", "plan_device_threads")
 
 
 class DeviceSpec:
@@ -120,3 +123,42 @@ def parse_devices(devices: Sequence[str | torch.device] | None) -> list[DeviceSp
             "process: list only 'cuda:N' devices, or only 'cpu:N' ones"
         )
     return specs
+
+
+@dataclass(frozen=True)
+class DeviceThreadPlan:
+    """Which threads run a process's devices, and how they share its cores (see ``Engine(device_threads=...)``)."""
+
+    device_threads: Literal["shared", "per_device"]
+    intra_op_threads: tuple[int, int] | None
+    """Torch intra-op threads per device thread and for the communication thread; ``None``: left as they are."""
+    devices_in_turn: int
+    """How many devices may run one after another within a step (each given ``sync_timeout``)."""
+
+
+def plan_device_threads(devices: Sequence[DeviceSpec], device_threads: str) -> DeviceThreadPlan:
+    """Resolve ``device_threads`` (``"auto"``, ``"shared"``, ``"per_device"``) for ``devices``.
+
+    :raises ~gsync.ConfigError: for an unknown value, or ``"shared"`` with a non-CPU device.
+    """
+    if device_threads not in ("auto", "shared", "per_device"):
+        raise ConfigError(f"device_threads must be 'auto', 'shared' or 'per_device', got {device_threads!r}")
+    on_cpu = all(spec.torch_device.type == "cpu" for spec in devices)
+    if device_threads == "shared" and not on_cpu:
+        raise ConfigError(
+            "device_threads='shared' is for CPU devices; "
+            f"{', '.join(s.name for s in devices if s.torch_device.type != 'cpu')} each need their own "
+            "thread to launch kernels while the others do: use 'per_device' or 'auto'"
+        )
+    cores = torch.get_num_threads()
+    several_cpus = on_cpu and len(devices) > 1
+    # One thread per virtual CPU device only pays while each can have a core, and where torch lets each thread
+    # set its own intra-op count.
+    shared = device_threads == "shared" or (
+        device_threads == "auto" and several_cpus and (len(devices) > cores or not THREADS_PER_THREAD)
+    )
+    intra_op: tuple[int, int] | None = None
+    if several_cpus and not shared and THREADS_PER_THREAD:
+        share = max(1, cores // len(devices))
+        intra_op = (share, max(1, cores - share * len(devices)))
+    return DeviceThreadPlan("shared" if shared else "per_device", intra_op, len(devices) if on_cpu else 1)
