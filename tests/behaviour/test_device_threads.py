@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gsync
+import gsync._core.devices
 import gsync.testing
 from gsync._core.threads import THREADS_PER_THREAD
 from gsync._core.distributed.heartbeat import Whereabouts
@@ -28,7 +29,7 @@ DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 
 def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyond(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(gsync.engine, "THREADS_PER_THREAD", True)  # as under OpenMP, whatever this build's backend
+    monkeypatch.setattr(gsync._core.devices, "THREADS_PER_THREAD", True)  # as under OpenMP, whatever this build's backend
     two = gsync.Engine(["cpu:0", "cpu:1"])
     assert two.device_threads == "per_device" and two.intra_op_threads == (1, 1)
     assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).device_threads == "shared"
@@ -40,7 +41,7 @@ def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyon
     assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).intra_op_threads == (2, 2)  # the reduction gets what is left
     assert gsync.Engine(["cpu:0", "cpu:1"]).intra_op_threads == (4, 1)
     # Where torch's threads cannot be split per thread (its native backend), CPU devices share one thread.
-    monkeypatch.setattr(gsync.engine, "THREADS_PER_THREAD", False)
+    monkeypatch.setattr(gsync._core.devices, "THREADS_PER_THREAD", False)
     assert gsync.Engine(["cpu:0", "cpu:1"]).device_threads == "shared"
     assert gsync.Engine(["cpu"]).device_threads == "per_device"
     assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").intra_op_threads is None
