@@ -191,7 +191,7 @@ class Timeout(RuntimeError):
 
 
 def _free_port() -> int:
-    from tests.multiproc.harness import free_port
+    from tests.support.harness import free_port
 
     return free_port()
 

@@ -2,7 +2,7 @@
 
 Keeping it to two operations is deliberate: each implementation (in-process
 CPU, NCCL, torch.distributed) implements all of it and passes the same
-conformance cases (``tests/comm/test_conformance.py``, run in-process, on
+conformance cases (``tests/unit/comm/test_conformance.py``, run in-process, on
 CUDA devices and across processes), so no backend can leave an operation out.
 """
 

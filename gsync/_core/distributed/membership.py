@@ -184,39 +184,18 @@ def join(
         raise ConfigError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
     timeout = timedelta(seconds=timeout_s)
     comm_device = _comm_device(device_type, device)
-    created = False
+    created = process_group is None and not dist.is_initialized()
     store_host: int | None = None
     if process_group is not None:
-        # A bare gloo backend is an elastic run's group (built on its store for one generation).
-        if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, GROUP_TYPES):
-            raise ConfigError(
-                f"process_group must be a torch.distributed.ProcessGroup this process belongs to, got {process_group!r}"
-            )
-        group = process_group
-        _check_backend(group, device_type)
-        group_store = store if store is not None else _default_store_for(group)
-    elif dist.is_initialized():
+        group, group_store = _adopted(process_group, store, device_type)
+    elif not created:
         group = dist.distributed_c10d._get_default_group()
         _check_backend(group, device_type)
         group_store = store if store is not None else dist.distributed_c10d._get_default_store()
     else:
-        world_size = env_int("WORLD_SIZE")
-        rank = env_int("RANK")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: need 0 <= RANK < WORLD_SIZE")
         if store is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             store_host = 0
-        group_store = _fresh_prefix(store if store is not None else create_store(rank, world_size, timeout), world_size)
-        init_kwargs: dict[str, Any] = {}
-        if backend == "nccl" and device is not None:
-            # Binds the group to this device and sets up NCCL now, not at the first collective.
-            init_kwargs["device_id"] = comm_device
-        dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
-        group = dist.distributed_c10d._get_default_group()
-        # The group's own view of the store (torch prefixes it with the group
-        # name), so a later membership adopting this group counts runs alike.
-        group_store = dist.distributed_c10d._get_default_store()
-        created = True
+        group, group_store = _initialised(backend, store, timeout, comm_device if device is not None else None)
     abort = abort if abort is not None else threading.Event()
     try:
         run_id = _agree_run_id(group, group_store, comm_device, abort)
@@ -236,6 +215,35 @@ def join(
         abort=abort,
         store_host=store_host,
     )
+
+
+def _adopted(process_group: dist.ProcessGroup, store: dist.Store | None, device_type: str) -> tuple[dist.ProcessGroup, dist.Store]:
+    """The group the user (or an elastic run's generation: a bare backend built on its store) gave, and its store."""
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER or not isinstance(process_group, GROUP_TYPES):
+        raise ConfigError(
+            f"process_group must be a torch.distributed.ProcessGroup this process belongs to, got {process_group!r}"
+        )
+    _check_backend(process_group, device_type)
+    return process_group, store if store is not None else _default_store_for(process_group)
+
+
+def _initialised(
+    backend: str, store: dist.Store | None, timeout: timedelta, nccl_device: torch.device | None
+) -> tuple[dist.ProcessGroup, dist.Store]:
+    """The default group, initialised from the environment as ``env://`` would, and its store."""
+    world_size = env_int("WORLD_SIZE")
+    rank = env_int("RANK")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: need 0 <= RANK < WORLD_SIZE")
+    group_store = _fresh_prefix(store if store is not None else create_store(rank, world_size, timeout), world_size)
+    init_kwargs: dict[str, Any] = {}
+    if backend == "nccl" and nccl_device is not None:
+        # Binds the group to this device and sets up NCCL now, not at the first collective.
+        init_kwargs["device_id"] = nccl_device
+    dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size, timeout=timeout, **init_kwargs)
+    # The group's own view of the store (torch prefixes it with the group name), so a later membership adopting
+    # this group counts runs alike.
+    return dist.distributed_c10d._get_default_group(), dist.distributed_c10d._get_default_store()
 
 
 def _fresh_prefix(store: dist.Store, world_size: int) -> dist.Store:

@@ -149,33 +149,9 @@ async def run_fit(
     loop.progress = display
     try:
         await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
-        if not history and resume is not None:
-            raise ConfigError(
-                f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
-                "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
-            )
-        if not history:
-            # Data whose length is known is refused before any work (FitLoopSettings); this is data without one.
-            raise ConfigError(
-                f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
-                "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
-            )
-        # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
-        # from it continues as one that never stopped, which would not have called on_fit_end there.
-        # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
+        _check_trained(history, resume, epochs, accumulate)
         core = loop.core
-        checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
-        steps_before = core.next_step
-        try:
-            await loop.call("on_fit_end", session)
-        except StopTraining:
-            pass  # training has ended anyway
-        if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
-            checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
-        if writer is not None:
-            if loop.core.rank == 0:
-                await writer.write(checkpoint)
-            await writer.close()
+        checkpoint = await _finish(loop, session, writer)
     except BaseException:
         if writer is not None:
             # The run's own error matters more than the last write's.
@@ -196,6 +172,41 @@ async def run_fit(
         history=history,
         membership=carry._membership_changes()[changes_before:] if carry is not None else (),
     )
+
+
+def _check_trained(history: list[StepRecord], resume: Checkpoint | None, epochs: int, accumulate: int) -> None:
+    if not history and resume is not None:
+        raise ConfigError(
+            f"resuming after step {resume.step} trained nothing: data has no batch past it in {epochs} "
+            "epoch(s); epochs counts all epochs of the run, including those before the checkpoint"
+        )
+    if not history:
+        # Data whose length is known is refused before any work (FitLoopSettings); this is data without one.
+        raise ConfigError(
+            f"no optimizer step ran: no epoch of data had the accumulate={accumulate} batches a step takes "
+            "(an epoch's left-over batches are left out, not carried into the next); lower accumulate"
+        )
+
+
+async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | None) -> Checkpoint:
+    """The fit's last checkpoint, ``on_fit_end`` called, and the last file written: what a clean end does."""
+    # Taken before on_fit_end, as a step's file is before the next step's callbacks: a run that resumes
+    # from it continues as one that never stopped, which would not have called on_fit_end there.
+    # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
+    core = loop.core
+    checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
+    steps_before = core.next_step
+    try:
+        await loop.call("on_fit_end", session)
+    except StopTraining:
+        pass  # training has ended anyway
+    if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
+        checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
+    if writer is not None:
+        if loop.core.rank == 0:
+            await writer.write(checkpoint)
+        await writer.close()
+    return checkpoint
 
 
 class _FitLoop:

@@ -17,7 +17,6 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
-import signal
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -27,11 +26,12 @@ import anyio
 
 from ...checkpoint import Checkpoint
 from ..step.context import Recipe
-from ...errors import Departed, SessionClosed
+from ...errors import SessionClosed
 from ...trace import MARK_TRACK, TraceEvent
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
+from ..elastic.departure import departed as _departed, on_sigterm_depart
 from ..elastic.membership import ElasticMembership
 from ..elastic.recovery import recoverable
 
@@ -222,30 +222,9 @@ class SessionService:
 
     def watch_for_departure(self) -> Callable[[], None]:
         """On the main thread: SIGTERM makes this rank depart at the next step boundary. Returns the undo."""
-        elastic = self.elastic
-        if elastic is None or threading.current_thread() is not threading.main_thread():
+        if self.elastic is None:
             return lambda: None
-
-        received: list[int] = []
-
-        def depart(signum: int, frame: object) -> None:
-            received.append(signum)
-            elastic.depart_soon()
-            core = self.core
-            runtime = None if core is None else core.runtime
-            if runtime is not None:
-                runtime.change_wanted = True  # the next step's agreement tells every rank
-
-        previous = signal.signal(signal.SIGTERM, depart)
-
-        def undo() -> None:
-            signal.signal(signal.SIGTERM, previous)
-            if received and not elastic.departed:
-                # It came when no step followed to leave after (the session's last, or between sessions): it is
-                # not swallowed, but delivered as it would have been without the session.
-                signal.raise_signal(signal.SIGTERM)
-
-        return undo
+        return on_sigterm_depart(self.elastic, lambda: None if self.core is None else self.core.runtime)
 
     def _mark_changes(self, core: SessionCore, elastic: ElasticMembership) -> None:
         """Mark the changes that led to this generation on its trace (an instant on the steps' track)."""
@@ -436,16 +415,3 @@ def _elastic(membership: ElasticMembership | None) -> ElasticMembership:
     if membership is None:
         raise RuntimeError("this session is not elastic")
     return membership
-
-
-def _departed(elastic: ElasticMembership, checkpoint: Checkpoint | None) -> Departed:
-    if checkpoint is None:
-        departed = Departed(f"rank {elastic.launch_rank} left the elastic run on SIGTERM before its first step; the others go on without it")
-        return departed
-    departed = Departed(
-        f"rank {elastic.launch_rank} left the elastic run after step {checkpoint.step} on SIGTERM; the others go "
-        "on without it (its checkpoint holds the state of that step)"
-    )
-    departed.checkpoint = checkpoint
-    departed.last_step = checkpoint.step
-    return departed
