@@ -1,9 +1,12 @@
 """The messages actors exchange, one tagged union per mailbox.
 
 Messages carry indices (device, step, bucket, parameter), never tensors:
-gradient bytes stay in the bucket buffers. They are plain msgspec structs, so
-they encode to msgpack as they are for traces and cross-process control
-traffic; in-process they are passed as objects and never encoded.
+gradient bytes stay in the bucket buffers. They are msgspec structs (tagged,
+frozen, untracked by the garbage collector) because that makes them cheap to
+build and to ``match`` on; they are passed between tasks and threads as
+objects and never encoded. What does cross processes (a failure report, the
+per-step agreement) is encoded by :mod:`gsync._core.distributed`, in
+structures of its own.
 """
 
 from __future__ import annotations
