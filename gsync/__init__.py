@@ -32,6 +32,7 @@ from .session import StepResult as StepResult
 from .trace import Trace as Trace
 from .trace import TraceEvent as TraceEvent
 from .comm.compressed import CompressionHook as CompressionHook
+from .comm.compressed import AllReduce as AllReduce
 from .comm.compressed import LowPrecision as LowPrecision
 from .session import SessionOpener as SessionOpener
 from .types import LossFn as LossFn
@@ -40,6 +41,7 @@ from .types import OptimizerFactory as OptimizerFactory
 from .types import SchedulerFactory as SchedulerFactory
 
 __all__ = (
+    "AllReduce",
     "Checkpoint",
     "CheckpointError",
     "Collective",

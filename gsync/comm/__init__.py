@@ -9,8 +9,9 @@ gsync's own to pick (``Engine(devices=..., process_group=...)``), in
 """
 
 from .base import Collective as Collective
+from .compressed import AllReduce as AllReduce
 from .compressed import CompressionHook as CompressionHook
 from .compressed import LowPrecision as LowPrecision
 from .local import LocalCollective as LocalCollective
 
-__all__ = ("Collective", "CompressionHook", "LocalCollective", "LowPrecision")
+__all__ = ("AllReduce", "Collective", "CompressionHook", "LocalCollective", "LowPrecision")

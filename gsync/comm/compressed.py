@@ -39,7 +39,7 @@ import torch
 from ..errors import ConfigError, GsyncError
 from .base import Collective
 
-__all__ = ("CompressionHook", "LowPrecision")
+__all__ = ("AllReduce", "CompressionHook", "LowPrecision")
 
 AllReduce = Callable[[Sequence[torch.Tensor]], None]
 """Sums one tensor per local device over every device of every process, in place."""
