@@ -359,13 +359,13 @@ async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_g
 ) -> None:
     """The hook-less last bucket is taken in a few calls when every parameter of it got a fresh gradient; the
     per-parameter path it stands in for must give bit for bit the same training."""
-    from gsync._core.step.actor import DeviceActor
+    from gsync._core.step.capture import GradientCapture
 
-    whole = DeviceActor._take_whole_bucket
+    whole = GradientCapture._take_whole_bucket
     taken: list[bool] = []
 
-    def counted(actor: DeviceActor) -> bool:
-        taken.append(whole(actor))
+    def counted(capture: GradientCapture) -> bool:
+        taken.append(whole(capture))
         return taken[-1]
 
     batches = make_batches(steps=4, rows=24)
@@ -375,9 +375,9 @@ async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_g
     per_parameter.load_state_dict(model.state_dict())
     # One bucket of 14 small tensors: copied into its buffer, not reduced where autograd put them.
     engine = gsync.Engine(["cpu:0", "cpu:1"])
-    monkeypatch.setattr(DeviceActor, "_take_whole_bucket", counted)
+    monkeypatch.setattr(GradientCapture, "_take_whole_bucket", counted)
     await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
     assert any(taken)  # the path under test ran
-    monkeypatch.setattr(DeviceActor, "_take_whole_bucket", lambda actor: False)
+    monkeypatch.setattr(GradientCapture, "_take_whole_bucket", lambda capture: False)
     await engine.fit(per_parameter, batches, optimizer=sgd, loss_fn=classification_loss)
     assert_same_state(model, per_parameter, atol=0.0)

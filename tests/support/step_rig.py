@@ -30,6 +30,7 @@ from gsync._core.gradients.buffers import BufferSync
 from gsync.comm.local import LocalCollective
 from gsync._core.step.context import ActorContext, Recipe, Shard
 from gsync._core.devices import parse_devices
+from gsync._core.step.inbox import ServerInbox
 from gsync._core.step.mailbox import Mailbox
 from gsync._core.step.messages import (
     BucketReady,
@@ -190,7 +191,7 @@ async def server_rig(
     context = ActorContext(
         plan=plan,
         recipe=Recipe(loss_fn=_dummy_loss, optimizer=_sgd(0.1)),
-        server=mailbox,
+        server=ServerInbox(mailbox, len(plan.names), [False, False]),
         session=session,
         loop=loop,
         abort=threading.Event(),
@@ -248,7 +249,7 @@ class ActorRig:
 
     @property
     def server(self) -> Mailbox[ServerMessage]:
-        return self.context.server
+        return self.context.server.mailbox
 
     @property
     def shards(self) -> Mailbox[Shard]:
@@ -292,7 +293,7 @@ async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr:
     context = ActorContext(
         plan=plan,
         recipe=recipe,
-        server=Mailbox("sync server", loop),
+        server=ServerInbox(Mailbox("sync server", loop), len(plan.names), [False]),
         session=Mailbox("session", loop),
         loop=loop,
         abort=threading.Event(),
@@ -311,6 +312,6 @@ async def actor_rig(loss_fn: Callable[[nn.Module, Any], torch.Tensor] = mse, lr:
     finally:
         actor.close()
         joined = await actor.worker.join(1.0)
-        for box in (context.server, context.session, actor.mailbox, actor.shards):
+        for box in (context.server.mailbox, context.session, actor.mailbox, actor.shards):
             box.discard()
         assert joined, "the actor's worker thread did not exit"

@@ -23,7 +23,8 @@ class PlanRebuild:
     means the same bytes on every rank. The sync server calls
     :meth:`observe` in the communication thread after the first step's
     reductions (``agree`` is a collective) and :meth:`apply` on the loop
-    before it posts ``StepSynced``; devices adopt the new plan at their next step.
+    before it posts ``StepSynced``, which carries the plan to the devices;
+    they adopt it at their next step.
     """
 
     def __init__(
@@ -51,9 +52,9 @@ class PlanRebuild:
         order = observed + [p for p in reversed(range(len(plan.names))) if p not in seen]
         self._order = self._agree(order) if self._agree is not None else order
 
-    def apply(self) -> bool:
-        """Adopt the rebuilt plan if its assignment differs (models whose backward follows reverse
-        registration order keep their buffers); returns whether it did."""
+    def apply(self) -> BucketPlan | None:
+        """The rebuilt plan if its assignment differs (models whose backward follows reverse registration order
+        keep their buffers), else ``None``."""
         context = self._context
         plan = context.plan
         rebuilt = BucketPlan.build(
@@ -66,12 +67,11 @@ class PlanRebuild:
             order=self._order,
         )
         if [b.params for b in rebuilt.buckets] == [b.params for b in plan.buckets]:
-            return False
-        context.plan = rebuilt
+            return None
         context.streams.rebuild(len(rebuilt.buckets))
         self.rebuilt = True
         logger.info(
             "gsync: buckets rebuilt from the first step's gradient order: %d bucket(s) of %s MiB",
             len(rebuilt.buckets), "/".join(f"{b.nbytes / 2**20:.2f}" for b in rebuilt.buckets),
         )
-        return True
+        return rebuilt

@@ -23,8 +23,9 @@ from ...comm.local import LocalCollective
 from ..transports.capabilities import ReducesInPlace
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective
-from ..step.context import ActorContext, FirstStepInTurn, LastArrivals, Recipe, ReplicaFingerprints
+from ..step.context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints
 from ..distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from ..step.inbox import ServerInbox
 from ..step.mailbox import Mailbox
 from ..step.messages import ServerMessage, SessionMessage
 from ..gradients.rebuild import PlanRebuild
@@ -88,7 +89,7 @@ def assemble(
     context = _context(settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort)
     actors = _actors(settings, replicas, context, streams, loop)
     first = actors[0]
-    rebuild = PlanRebuild(context, lambda: first.readiness.order, runtime.agree_order if runtime is not None else None)
+    rebuild = PlanRebuild(context, lambda: first.capture.readiness.order, runtime.agree_order if runtime is not None else None)
     agreement: StepAgreement = (
         ProcessGroupAgreement(runtime, len(plan.names), process_local_data) if runtime is not None else LocalAgreement()
     )
@@ -159,7 +160,10 @@ def _context(
     return ActorContext(
         plan=plan,
         recipe=recipe,
-        server=server_mailbox,
+        # CPU devices' posts after backward can wait for their job's end; an accelerator's cannot (see ServerInbox).
+        server=ServerInbox(
+            server_mailbox, len(plan.names), [spec.torch_device.type != "cpu" for spec in settings.devices]
+        ),
         session=session_mailbox,
         loop=loop,
         abort=abort,
@@ -185,7 +189,6 @@ def _context(
             and all(spec.torch_device.type == "cpu" for spec in settings.devices)
             else None
         ),
-        arrivals=LastArrivals(num_replicas, len(plan.names)),
     )
 
 

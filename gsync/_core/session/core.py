@@ -55,7 +55,7 @@ from ...errors import (
 )
 from ..data.feeder import BatchReader, check_batch_source
 from ..step.mailbox import Mailbox
-from ..step.messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched
+from ..step.messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
 from .outcome import first_failure, is_cancellation, raised_by_block
 from .peers import MEMBERSHIP_CHANGING, SessionPeers
 from ..gradients.rebuild import PlanRebuild
@@ -189,10 +189,10 @@ class SessionCore(SessionPeers):
 
     @property
     def stats(self) -> FitStats:
-        server, context = self._server, self._context
-        if server is None or context is None:
+        server = self._server
+        if server is None:
             return FitStats()
-        plan = context.plan
+        plan = server.plan
         return FitStats(
             steps=server.steps_synced,
             buckets=len(plan.buckets),
@@ -351,7 +351,7 @@ class SessionCore(SessionPeers):
             _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last))
             for actor, shard in zip(self._actors, shards):
                 actor.shards.post(shard)
-            applied = await self._await_applied(step)
+            loss, applied = await self._await_applied(step)
         self._next_step = step + 1
         self.last_applied_at = time.monotonic()
         runtime = self._runtime
@@ -362,7 +362,7 @@ class SessionCore(SessionPeers):
             self._refresh_snapshot()
         return StepResult(
             step=step,
-            loss=applied.loss,
+            loss=loss,
             lr=applied.lr,
             rows=total_rows,
             seconds=time.perf_counter() - started,
@@ -396,21 +396,25 @@ class SessionCore(SessionPeers):
             split_batch(batch, topology.world_devices)[topology.local_slice],
         )
 
-    async def _await_applied(self, step: int) -> StepApplied:
+    async def _await_applied(self, step: int) -> tuple[float, StepApplied]:
+        """The step's loss, from the sync server, and the first device's report, once every device applied it."""
         mailbox = _built(self._session_mailbox)
+        loss: float | None = None
         first: StepApplied | None = None
-        for _ in self._actors:
+        for _ in range(len(self._actors) + 1):
             try:
                 message = await mailbox.receive()
             except MailboxClosed:
-                message = None
-            if message is None:
                 # Closed by _serve once a failure is settled: raise that failure itself.
-                raise self._failure or SessionClosed("the session closed during a step")
-            if message.step != step:
-                raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
-            first = first or message
-        return _built(first)
+                raise self._failure or SessionClosed("the session closed during a step") from None
+            match message:
+                case StepLoss(step=at, loss=value) if at == step and loss is None:
+                    loss = value
+                case StepApplied(step=at) if at == step and loss is not None:
+                    first = first or message
+                case _:
+                    raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
+        return _built(loss), _built(first)
 
     # -- state checks ------------------------------------------------------------
 

@@ -6,10 +6,10 @@ them imports another's module for a shared type.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -20,7 +20,8 @@ from ..threads import LoopHandle
 from ..gradients.buckets import BucketPlan
 from ...errors import ReplicasDiverged
 from .mailbox import Mailbox
-from .messages import DeviceMessage, ServerMessage, SessionMessage
+from .inbox import ServerInbox
+from .messages import DeviceMessage, SessionMessage
 from ..streams import HostStreamSync, StreamSync
 from ...trace import Trace
 
@@ -63,6 +64,12 @@ class Recipe:
     def scales_loss(self) -> bool:
         return self.autocast == torch.float16
 
+    def autocast_in(self, device: torch.device) -> AbstractContextManager[Any]:
+        """Where the loss function runs: under ``torch.autocast`` when the recipe autocasts."""
+        if self.autocast is None:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -102,36 +109,6 @@ class ReplicaFingerprints:
             raise ReplicasDiverged(step, {self._names[d]: values[d] for d in sorted(values)})
 
 
-class LastArrivals:
-    """Tells which device's ``BucketReady`` completes a bucket on every device of the process, and which
-    device's ``ForwardDone`` completes the step's losses.
-
-    Only that post needs to wake the sync server, which can launch a bucket
-    (or finish the step) only once every device has posted it; the others
-    ride along with it. (It wakes the server at once from a gradient hook,
-    otherwise when the poster's job ends: see ``DeviceActor._post_ready``.)
-    Every device posts every bucket and its losses
-    exactly once per step, and none posts for the next step before the
-    server has every post of this one, so a count per bucket, modulo the
-    device count, names the last poster. No lock: ``next`` on an
-    ``itertools.count`` is atomic under the GIL.
-    """
-
-    def __init__(self, devices: int, max_buckets: int) -> None:
-        self._devices = devices
-        # A bucket holds at least one parameter, so no plan has more buckets than parameters.
-        self._counts = [itertools.count(1) for _ in range(max_buckets if devices > 1 else 0)]
-        self._losses = itertools.count(1)
-
-    def completes(self, bucket: int) -> bool:
-        """Count one device's post of ``bucket``; whether it was the last device's. Call after posting."""
-        return self._devices == 1 or next(self._counts[bucket]) % self._devices == 0
-
-    def completes_losses(self) -> bool:
-        """Count one device's ``ForwardDone``; whether it was the last device's. Call after posting."""
-        return self._devices == 1 or next(self._losses) % self._devices == 0
-
-
 class FirstStepInTurn:
     """A session's first step runs its CPU devices one at a time, in device order.
 
@@ -165,17 +142,19 @@ class FirstStepInTurn:
         return index > 0 and not self._done["forward_backward"][index - 1].is_set()
 
 
-@dataclass
+@dataclass(frozen=True)
 class ActorContext:
-    """What every actor of one session shares.
+    """What every actor of one session shares, fixed for the session's life.
 
-    ``plan`` may be replaced once, by the bucket rebuild after the first step;
-    each actor adopts the new plan at the start of its next step.
+    ``plan`` is the first bucket plan; the sync server sends the one that
+    replaces it after the first step (``StepSynced.plan``). ``server`` is where
+    devices post to the sync server, ``session`` where the server and the
+    devices post to the session.
     """
 
     plan: BucketPlan
     recipe: Recipe
-    server: Mailbox[ServerMessage]
+    server: ServerInbox
     session: Mailbox[SessionMessage]
     loop: LoopHandle
     abort: threading.Event
@@ -189,12 +168,8 @@ class ActorContext:
     bucket_cap_bytes: int = 25 << 20
     streams: StreamSync = field(default_factory=lambda: HostStreamSync(1, 1))
     """Orders bucket production, reduction and the optimizer step (CUDA streams, or host checks on CPU)."""
-    plan_final: bool = False
-    """No rebuild will replace ``plan`` any more (set by the sync server once the first step's order is applied)."""
     first_step: FirstStepInTurn | None = None
     """The devices' turns for the first step (see :class:`FirstStepInTurn`); ``None``: all at once."""
-    arrivals: LastArrivals = field(default_factory=lambda: LastArrivals(1, 0))
-    """Which device's post of a bucket wakes the sync server (see :class:`LastArrivals`)."""
     grads_in_place: bool = False
     """Gradients stay where autograd put them, as in a plain loop, rather than being copied into the bucket
     buffers: the run has one device in all (nothing to reduce), or its reduction takes each device's gradient

@@ -7,11 +7,17 @@ build and to ``match`` on; they are passed between tasks and threads as
 objects and never encoded. What does cross processes (a failure report, the
 per-step agreement) is encoded by :mod:`gsync._core.distributed`, in
 structures of its own.
+(:class:`StepSynced` carries one object, the rebuilt bucket plan, once per session.)
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
+
+if TYPE_CHECKING:
+    from ..gradients.buckets import BucketPlan
 
 __all__ = (
     "StepDispatched",
@@ -22,6 +28,7 @@ __all__ = (
     "CommFailed",
     "StepDeadline",
     "StepSynced",
+    "StepLoss",
     "StepApplied",
     "Close",
     "ServerMessage",
@@ -120,28 +127,37 @@ class StepSynced(_Message, frozen=True):
     ``unused`` names the parameters that got no gradient on any device; the
     optimizer must see ``grad=None`` for them, as it would on one device.
     ``skip`` tells every device to leave this step's update out (a device's
-    loss was not finite, with ``on_nonfinite="skip"``). ``loss`` is the
-    step's global mean loss, agreed over every device of every process.
+    loss was not finite, with ``on_nonfinite="skip"``). ``plan``, sent once
+    (with the first step the server syncs, when it rebuilds the plan), is the
+    bucket plan from the next step on, for good: the same object when the
+    rebuild kept the plan.
     """
 
     step: int
     unused: tuple[int, ...] = ()
     skip: bool = False
-    loss: float = 0.0
+    plan: BucketPlan | None = None
+
+
+class StepLoss(_Message, frozen=True):
+    """``step``'s global mean loss, agreed over every device of every process; the server posts it to the session
+    once, as the step syncs (before any device's ``StepApplied``)."""
+
+    step: int
+    loss: float
 
 
 class StepApplied(_Message, frozen=True):
     """``device`` applied (or skipped) ``step``: its replica holds the state after it.
 
-    ``loss`` is the step's global mean loss, ``lr`` the learning rate the step
-    used (the first parameter group's), ``grad_norm`` the reduced gradient's
-    norm when clipping, and ``skipped`` whether the update was left out (a
-    non-finite loss, or a GradScaler that found infs).
+    ``lr`` is the learning rate the step used (the first parameter group's),
+    ``grad_norm`` the reduced gradient's norm when clipping, and ``skipped``
+    whether the update was left out (a non-finite loss, or a GradScaler that
+    found infs).
     """
 
     device: int
     step: int
-    loss: float
     lr: float
     grad_norm: float | None = None
     skipped: bool = False
@@ -157,4 +173,4 @@ ServerMessage = (
     StepDispatched | ForwardDone | BucketReady | BucketReduced | StepFinished | CommFailed | StepDeadline | Close
 )
 DeviceMessage = StepSynced | Close
-SessionMessage = StepApplied
+SessionMessage = StepLoss | StepApplied

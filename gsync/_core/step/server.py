@@ -6,7 +6,8 @@ before it has been launched, it submits ``b``'s all-reduce to the
 communication thread: strictly in bucket order, so every process issues the
 same collectives in the same order, and while backward is still producing
 later buckets. When every bucket is reduced (and buffers are broadcast) it
-posts ``StepSynced`` to each device.
+posts the step's loss to the session, once, and ``StepSynced`` to each
+device.
 
 A step that does not complete within ``sync_timeout`` seconds of the server
 starting on it raises :class:`~gsync.SyncTimeout` naming what never arrived.
@@ -24,6 +25,7 @@ import torch
 
 from ..threads import FitAborted, Outcome, WorkerThread
 from .agreement import AgreedStep, StepAgreement, StepFacts
+from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
 from ..transports.capabilities import ReducesBuckets, ReducesInPlace
@@ -40,6 +42,7 @@ from .messages import (
     StepDeadline,
     StepDispatched,
     StepFinished,
+    StepLoss,
     StepSynced,
 )
 from ..gradients.rebuild import PlanRebuild
@@ -82,6 +85,7 @@ class SyncServer:
         self.failure: GsyncError | None = None
         """The first gsync error a communication job raised (e.g. the agreement's ConfigError)."""
         self._context = context
+        self._plan = context.plan
         self._devices = list(devices)
         self._buffers = buffers
         self._collective = collective
@@ -110,6 +114,11 @@ class SyncServer:
         # Exceptions cannot travel in a message (messages are plain structs):
         # CommFailed names the (step, bucket) whose exception waits here.
         self._comm_errors: dict[tuple[int, int], BaseException] = {}
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The bucket plan of the step in progress (the rebuilt one from the second step on, if it was rebuilt)."""
+        return self._plan
 
     async def run(self) -> None:
         """Serve steps until ``Close`` arrives and every dispatched step is synced, then close every device.
@@ -141,7 +150,7 @@ class SyncServer:
         :raises ~gsync.SyncTimeout: when the step is not synced within its deadline, naming what never arrived.
         :raises ~gsync.SyncFailed: when a reduction raises, or a message of another step arrives.
         """
-        progress = _StepProgress(dispatched, len(self._context.plan.buckets), len(self._devices))
+        progress = _StepProgress(dispatched, len(self._plan.buckets), len(self._devices))
         turns = self._context.first_step if self.steps_synced == 0 else None
         # Devices that run one after another (on one shared thread, or in the first step's turns) may take
         # as many times longer: each has the full timeout for its own part.
@@ -255,18 +264,20 @@ class SyncServer:
         return SyncTimeout(step, timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
 
     def _announce_synced(self, step: int) -> None:
-        """The step is agreed everywhere: adopt a rebuilt plan after the first, and tell every device."""
+        """The step is agreed everywhere: tell the session its loss, and every device to apply it (with the plan
+        from the next step on, after the first)."""
         agreed = self._agreed
         self.steps_synced += 1
+        final: BucketPlan | None = None
         if self._rebuild is not None and self.steps_synced == 1:
-            # Before StepSynced goes out: devices adopt a rebuilt plan at their next step.
-            self._rebuild.apply()
-            self._context.plan_final = True
+            self._plan = final = self._rebuild.apply() or self._plan
         if agreed.skip:
             self.skipped_steps.append(step)
             logger.warning("gsync: step %d skipped on every device: a loss was not finite (on_nonfinite='skip')", step)
+        self._context.session.post(StepLoss(step, agreed.loss))
+        synced = StepSynced(step, agreed.unused, agreed.skip, final)
         for endpoint in self._devices:
-            endpoint.mailbox.post(StepSynced(step, agreed.unused, agreed.skip, agreed.loss))
+            endpoint.mailbox.post(synced)
 
     def _finish_step(self, facts: StepFacts) -> bool:
         """After the last reduction: broadcast buffers, agree across ranks, observe the first step's order.
@@ -304,7 +315,7 @@ class SyncServer:
             transfer, nbytes = None, 0
         elif self._in_place_collective is not None:
             grads = [device.bucket_grads(bucket) for device in self._devices]
-            nbytes = self._context.plan.buckets[bucket].numel * grads[0][0].element_size()
+            nbytes = self._plan.buckets[bucket].numel * grads[0][0].element_size()
             transfer = partial(self._reduce_in_place, self._in_place_collective, grads, weights, nbytes)
         else:
             flats = [device.bucket_buffer(bucket) for device in self._devices]
@@ -353,7 +364,7 @@ class SyncServer:
         # finishing means all have: only its success is worth waking the loop
         # for (a failure always is). A timeout reads how far they got from
         # ``_reduced_through`` instead.
-        report_success = bucket == _FINISH or bucket == len(self._context.plan.buckets) - 1
+        report_success = bucket == _FINISH or bucket == len(self._plan.buckets) - 1
         self.comm.submit(job, partial(self._on_comm_done, step, bucket), report_success=report_success)
 
     @staticmethod

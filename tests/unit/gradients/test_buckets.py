@@ -8,7 +8,7 @@ from torch import nn
 
 import gsync
 from gsync._core.gradients.buckets import BucketPlan, Readiness, ReplicaGrads, owns_its_memory, reduced_in_place
-from gsync._core.step.context import LastArrivals
+from gsync._core.step.inbox import LastArrivals
 
 
 def named(*sizes: int, dtype: torch.dtype = torch.float32) -> list[tuple[str, torch.Tensor]]:

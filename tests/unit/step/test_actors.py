@@ -10,7 +10,6 @@ is observed through messages, and "the server handled everything posted so far" 
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from gsync._core.step.messages import (
     ServerMessage,
     StepApplied,
     StepDispatched,
+    StepLoss,
     StepSynced,
 )
 from tests.support.step_rig import WAIT_S, actor_rig, make_batch, reference_step, server_rig
@@ -71,7 +71,10 @@ async def test_server_launches_a_bucket_only_once_ready_everywhere_and_strictly_
 
         synced = [await rig.synced(d) for d in range(2)]
         assert [event.bucket for event in rig.trace.select("all_reduce", 0)] == [0, 1, 2]
-        assert synced == [StepSynced(0, (), False, 0.75)] * 2
+        assert synced == [StepSynced(0, (), False)] * 2
+        # The loss goes to the session once, from the server, not through the devices.
+        assert rig.context.session.receive_nowait() == StepLoss(0, 0.75)
+        assert rig.context.session.receive_nowait() is None
         rig.mailbox.post(Close())
     assert rig.server.bucket_ready_received == 6
     assert rig.server.steps_synced == 1
@@ -102,7 +105,8 @@ async def test_server_reduces_to_the_weighted_sum_and_posts_one_step_synced_with
             rig.ready(1, 1, step, unused=(1,))
 
             synced = [await rig.synced(d) for d in range(2)]
-            assert synced == [StepSynced(step, unused=(1,), skip=step == 1, loss=0.375 + 1.25)] * 2
+            assert synced == [StepSynced(step, unused=(1,), skip=step == 1)] * 2
+            assert rig.context.session.receive_nowait() == StepLoss(step, 0.375 + 1.25)
             for device in rig.devices:
                 for bucket, (buffer, want) in enumerate(zip(device.buffers, expected)):
                     torch.testing.assert_close(buffer, want, rtol=0, atol=1e-5, msg=lambda m, b=bucket: f"bucket {b}: {m}")
@@ -145,7 +149,7 @@ async def test_server_close_during_a_step_waits_for_that_step_to_sync() -> None:
         with anyio.fail_after(WAIT_S):
             await rig.server.run()
         for device in rig.devices:
-            assert await device.mailbox.receive() == StepSynced(0, (), False, 1.0)
+            assert await device.mailbox.receive() == StepSynced(0, (), False)
             assert await device.mailbox.receive() == Close("end of data")
         assert rig.server.steps_synced == 1
 
@@ -246,10 +250,10 @@ async def test_actor_posts_one_bucket_ready_per_bucket_then_its_loss_and_applies
         grads = [view.clone() for view in actor.grads.views]
         before = [p.detach().clone() for p in actor.params]
 
-        actor.mailbox.post(StepSynced(0, (), False, 1.5))
+        actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(device=0, step=0, loss=1.5, lr=rig.lr, grad_norm=None, skipped=False)
+        assert applied == StepApplied(device=0, step=0, lr=rig.lr, grad_norm=None, skipped=False)
         for param, old, grad in zip(actor.params, before, grads):
             assert torch.equal(param.detach(), old.add(grad, alpha=-rig.lr))
         assert actor.applied_step == 0
@@ -287,10 +291,10 @@ async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows
             torch.testing.assert_close(actor.grads.views[position], want, rtol=1e-6, atol=1e-7)
 
         rig.reduce([m.bucket for m in readies])  # type: ignore[union-attr]
-        actor.mailbox.post(StepSynced(0, (), False, first.loss))
+        actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(0, 0, first.loss, rig.lr)
+        assert applied == StepApplied(0, 0, rig.lr)
         rig.shards.close()
         actor.mailbox.post(Close())
     # Only the last backward posts: nothing but ForwardDone and one BucketReady per bucket went out.
@@ -330,9 +334,9 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
             torch.testing.assert_close(view, want, rtol=1e-6, atol=1e-7)
         rig.reduce(sorted(readies))
         before = [p.detach().clone() for p in actor.params]
-        actor.mailbox.post(StepSynced(0, (), False, messages[2].loss))
+        actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
-            assert await rig.session.receive() == StepApplied(0, 0, messages[2].loss, rig.lr)
+            assert await rig.session.receive() == StepApplied(0, 0, rig.lr)
         for name, param, old, want in zip(("weight", "bias"), actor.params, before, wants):
             torch.testing.assert_close(param.detach(), old - rig.lr * want, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         rig.shards.close()
@@ -349,10 +353,10 @@ async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
         messages = [await rig.next_server_message() for _ in range(3)]
         assert isinstance(messages[2], ForwardDone)
         rig.reduce([m.bucket for m in messages[:2]])  # type: ignore[union-attr]
-        actor.mailbox.post(StepSynced(0, (), True, math.inf))
+        actor.mailbox.post(StepSynced(0, (), True))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(0, 0, math.inf, rig.lr, None, skipped=True)
+        assert applied == StepApplied(0, 0, rig.lr, None, skipped=True)
         for param, old in zip(actor.params, before):
             assert torch.equal(param.detach(), old)
         rig.shards.close()
