@@ -31,7 +31,8 @@ from .errors import ConfigError
 from ._core.session.fit import FitLoopSettings
 from .result import FitResult, FitStats
 from .session import SessionOpener
-from .trace import Trace, trace_setting
+from ._core.trace_files import trace_setting
+from .trace import Trace
 from .types import LossFn, OptimizerFactory, SchedulerFactory
 
 

@@ -21,7 +21,7 @@ from tests.support.models import Deep, classification_loss, make_batches, sgd
 
 import gsync
 import gsync.testing
-from gsync.trace import rank_file
+from gsync._core.trace_files import rank_file
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

@@ -45,9 +45,6 @@ INTERNAL_IN_A_PUBLIC_MODULE: dict[tuple[str, str], str] = {
     ("gsync.errors", "SESSION_START"): "the site string gsync._core.session.peers and _core.distributed.failures put "
     "on an error raised while a session starts",
     ("gsync.trace", "MARK_TRACK"): "the track gsync._core.session.service marks failures on",
-    ("gsync.trace", "finish_trace"): "writes the trace file at the end of a run, for gsync._core.session.core",
-    ("gsync.trace", "rank_file"): "the per-rank file name, used only inside gsync.trace",
-    ("gsync.trace", "trace_setting"): "the Engine's parsing of trace=...",
 }
 # Names a public module defines that are surface but missing from __all__: gaps in gsync/, each to be exported.
 MISSING_FROM_ALL: dict[tuple[str, str], str] = {}

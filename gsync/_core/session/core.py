@@ -66,7 +66,8 @@ from ...result import FitStats, StepResult
 from ..step.server import SyncServer
 from ..streams import StreamSync
 from ..topology import Topology
-from ...trace import Trace, finish_trace
+from ...trace import Trace
+from ..trace_files import finish_trace
 
 if TYPE_CHECKING:
     from ..elastic.membership import ElasticMembership
