@@ -29,9 +29,10 @@ from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
 from ..transports.capabilities import ReducesBuckets, ReducesInPlace
-from .context import ActorContext, DeviceEndpoint, FirstStepInTurn
-from ...errors import GsyncError, SyncFailed, SyncTimeout
+from .context import ActorContext, DeviceEndpoint
+from ...errors import GsyncError, SyncFailed
 from .mailbox import Mailbox
+from .progress import StepProgress, timed_out
 from .messages import (
     BucketReady,
     BucketReduced,
@@ -52,7 +53,6 @@ __all__ = ("SyncServer",)
 logger = logging.getLogger("gsync")
 
 _FINISH = -1
-_NOTHING_UNUSED: frozenset[int] = frozenset()
 
 
 class SyncServer:
@@ -150,7 +150,7 @@ class SyncServer:
         :raises ~gsync.SyncTimeout: when the step is not synced within its deadline, naming what never arrived.
         :raises ~gsync.SyncFailed: when a reduction raises, or a message of another step arrives.
         """
-        progress = _StepProgress(dispatched, len(self._plan.buckets), len(self._devices))
+        progress = StepProgress(dispatched, len(self._plan.buckets), len(self._devices))
         turns = self._context.first_step if self.steps_synced == 0 else None
         # Devices that run one after another (on one shared thread, or in the first step's turns) may take
         # as many times longer: each has the full timeout for its own part.
@@ -176,10 +176,13 @@ class SyncServer:
         finally:
             cancel_deadline()
         if progress.expired:
-            raise self._timed_out(progress, message, turns, timeout)
+            late = [message] if message is not None else []
+            while (queued := self.mailbox.receive_nowait()) is not None:
+                late.append(queued)
+            raise timed_out(progress, late, self._devices, turns, self._reduced_through, timeout)
         self._announce_synced(dispatched.step)
 
-    def _take(self, message: ServerMessage, progress: _StepProgress) -> bool:
+    def _take(self, message: ServerMessage, progress: StepProgress) -> bool:
         """Act on one message of the step in progress; whether the step is now finished. The server's one match."""
         step = progress.step
         match message:
@@ -215,53 +218,11 @@ class SyncServer:
                 self._backlog.append(message)
                 return False
 
-    def _finish_if_complete(self, progress: _StepProgress) -> bool:
+    def _finish_if_complete(self, progress: StepProgress) -> bool:
         """Once every reduction is done and every device's loss read, the step's facts are all in: finish it."""
         if not progress.inputs_complete:
             return False
         return self._finish_step(progress.facts())
-
-    def _timed_out(
-        self, progress: _StepProgress, seen: ServerMessage | None, turns: FirstStepInTurn | None, timeout: float
-    ) -> SyncTimeout:
-        """The timeout of a step, naming the (device, bucket) pairs that never arrived and where devices were."""
-        step, num_devices, num_buckets = progress.step, progress.num_devices, progress.num_buckets
-        arrived = progress.arrived
-        # The message read as the deadline was seen, and posts that did not wake the server, still count as
-        # arrived: a bucket, or the losses, not yet in from every device, or in from every device but whose
-        # last poster's job (which wakes the server as it ends) had not ended.
-        late = seen
-        while late is not None:
-            if isinstance(late, BucketReady) and late.step == step:
-                arrived[late.bucket][late.device] = 1
-            elif isinstance(late, ForwardDone) and late.step == step:
-                progress.losses_in += 1
-            late = self.mailbox.receive_nowait()
-        # A device still waiting for its first-step turn, or for the thread it shares with the
-        # other devices, is held up by another device, which is named.
-        blamed = [
-            device
-            for device in range(num_devices)
-            if not self._devices[device].queued and (turns is None or not turns.queued(device))
-        ] or list(range(num_devices))
-        missing_pairs = [
-            (self._devices[device].name, bucket)
-            for bucket in range(num_buckets)
-            for device in blamed
-            if not arrived[bucket][device]
-        ]
-        through_step, through_bucket = self._reduced_through
-        unreduced = list(range(max(progress.reduced, through_bucket + 1 if through_step == step else 0), progress.next_launch))
-        stalled = {device for device in blamed if not all(arrived[b][device] for b in range(num_buckets))}
-        last_seen = {self._devices[d].name: self._devices[d].where() for d in stalled}
-        site = "gradient sync"
-        if progress.reduced == num_buckets and progress.losses_in < num_devices:
-            site = "loss check (reading a device's loss)"
-        elif progress.reduced == num_buckets:
-            site = "closing collectives (buffer broadcast, agreement across processes)"
-        elif not missing_pairs:
-            site = "gradient sync (waiting on the collective; with several processes, on another rank)"
-        return SyncTimeout(step, timeout, missing_pairs, unreduced, site=site, last_seen=last_seen)
 
     def _announce_synced(self, step: int) -> None:
         """The step is agreed everywhere: tell the session its loss, and every device to apply it (with the plan
@@ -390,54 +351,3 @@ class SyncServer:
 
     def close(self) -> None:
         self.comm.stop()
-
-
-class _StepProgress:
-    """What the server has heard of one step so far: readiness per (bucket, device), reductions, losses."""
-
-    __slots__ = (
-        "arrived", "dispatched", "expired", "loss", "losses_in", "next_launch", "num_buckets", "num_devices",
-        "ready_count", "reduced", "skip", "step", "unused", "weights",
-    )
-
-    def __init__(self, dispatched: StepDispatched, num_buckets: int, num_devices: int) -> None:
-        self.dispatched = dispatched
-        self.step = dispatched.step
-        self.weights = list(dispatched.weights)
-        self.num_buckets = num_buckets
-        self.num_devices = num_devices
-        self.arrived = [bytearray(num_devices) for _ in range(num_buckets)]
-        self.ready_count = [0] * num_buckets
-        # Per bucket, the parameters no device has given a gradient so far (None: no device has reported).
-        self.unused: list[frozenset[int] | None] = [None] * num_buckets
-        self.next_launch = 0
-        self.reduced = 0
-        self.losses_in = 0
-        self.skip = False
-        self.loss = 0.0
-        self.expired = False
-
-    def bucket_ready(self, device: int, bucket: int, missing: Sequence[int]) -> range:
-        """Note ``bucket`` ready on ``device``; the buckets that may now be launched, in order."""
-        self.arrived[bucket][device] = 1
-        self.ready_count[bucket] += 1
-        if not missing:
-            self.unused[bucket] = _NOTHING_UNUSED
-        elif self.unused[bucket] is None:
-            self.unused[bucket] = frozenset(missing)
-        else:
-            self.unused[bucket] &= frozenset(missing)  # type: ignore[operator]
-        first = launch = self.next_launch
-        while launch < self.num_buckets and self.ready_count[launch] == self.num_devices:
-            launch += 1
-        self.next_launch = launch
-        return range(first, launch)
-
-    @property
-    def inputs_complete(self) -> bool:
-        return self.reduced >= self.num_buckets and self.losses_in >= self.num_devices
-
-    def facts(self) -> StepFacts:
-        no_gradient = tuple(sorted(p for bucket_unused in self.unused if bucket_unused for p in bucket_unused))
-        dispatched = self.dispatched
-        return StepFacts(self.step, no_gradient, self.skip, dispatched.rows, self.loss, dispatched.last)
