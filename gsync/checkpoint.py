@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError, ConfigError
-from ._core.state.rng import restore_rng
 
 __all__ = ("Checkpoint",)
 
@@ -180,19 +179,6 @@ class Checkpoint:
             None if scheduler is None else _to_cpu(scheduler.state_dict()),
             None if scaler is None else _to_cpu(scaler.state_dict()),
         )
-
-
-def restore_checkpoint_rng(checkpoint: Checkpoint) -> None:
-    """Set the global random generators to ``checkpoint``'s (nothing when it has none).
-
-    :raises ~gsync.CheckpointError: when its generator state is damaged.
-    """
-    if checkpoint.rng_state is None:
-        return
-    try:
-        restore_rng(checkpoint.rng_state)
-    except ValueError as error:
-        raise CheckpointError(f"the checkpoint of step {checkpoint.step} has a damaged random generator state: {error}") from error
 
 
 def _position(value: Any) -> tuple[int, int] | None:

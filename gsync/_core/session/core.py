@@ -34,7 +34,8 @@ from ..step.actor import DeviceActor, MetricFn
 from .assembly import assemble, plan_buckets
 from ..data.batches import batch_rows, shard_rows, split_batch
 from ..gradients.buffers import BufferSync
-from ...checkpoint import Checkpoint, restore_checkpoint_rng
+from ...checkpoint import Checkpoint
+from ..state.checkpointing import restore_checkpoint_rng
 from ...comm.base import Collective
 from ..step.context import ActorContext, Recipe, Shard
 from ..distributed import FailureReport, peer_failed

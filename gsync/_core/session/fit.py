@@ -18,7 +18,8 @@ import anyio.to_thread
 import anyio.lowlevel
 from torch import nn
 
-from ...checkpoint import Checkpoint, restore_checkpoint_rng
+from ...checkpoint import Checkpoint
+from ..state.checkpointing import restore_checkpoint_rng
 from ..state.checkpointing import CheckpointSettings, CheckpointWriter
 from ...errors import CheckpointError, ConfigError, InputTypeError, StopTraining
 from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch, check_batch_source

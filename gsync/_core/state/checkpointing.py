@@ -20,8 +20,9 @@ import anyio
 from ..threads import LoopHandle, Outcome, WorkerThread
 from ...checkpoint import Checkpoint
 from ...errors import CheckpointError, ConfigError
+from .rng import restore_rng
 
-__all__ = ("CheckpointSettings", "CheckpointWriter", "checkpoint_path", "newest_checkpoint", "resolve_resume")
+__all__ = ("CheckpointSettings", "CheckpointWriter", "checkpoint_path", "newest_checkpoint", "resolve_resume", "restore_checkpoint_rng")
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
 # How long closing waits for the last write before leaving its thread.
@@ -200,3 +201,16 @@ class CheckpointWriter:
         finally:
             self._worker.stop()
             await self._worker.join(_CLOSE_GRACE_S)
+
+
+def restore_checkpoint_rng(checkpoint: Checkpoint) -> None:
+    """Set the global random generators to ``checkpoint``'s (nothing when it has none).
+
+    :raises ~gsync.CheckpointError: when its generator state is damaged.
+    """
+    if checkpoint.rng_state is None:
+        return
+    try:
+        restore_rng(checkpoint.rng_state)
+    except ValueError as error:
+        raise CheckpointError(f"the checkpoint of step {checkpoint.step} has a damaged random generator state: {error}") from error
