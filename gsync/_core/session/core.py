@@ -4,7 +4,9 @@
 :class:`gsync.Session` handle: it starts the session (replicas, actors,
 server, threads, the process group), runs its operations (a step, an
 evaluation, an all_reduce, a checkpoint) and turns whatever fails into one
-error with a checkpoint. :func:`open_session` is its life as one anyio task
+error with a checkpoint; starting, serving and closing are
+:class:`~gsync._core.session.lifecycle.SessionLife`'s, which it extends.
+:func:`open_session` is its life as one anyio task
 group; :mod:`gsync._core.session.service` runs that life in a task of its own, so
 that the handle can be used from any task of the loop.
 
@@ -22,7 +24,7 @@ import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -31,17 +33,13 @@ from torch import nn
 
 from ..threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
 from ..step.actor import DeviceActor, MetricFn
-from .assembly import assemble, plan_buckets
 from ..data.batches import batch_rows, shard_rows, split_batch
 from ..gradients.buffers import BufferSync
 from ...checkpoint import Checkpoint
-from ..state.checkpointing import restore_checkpoint_rng
 from ...comm.base import Collective
 from ..step.context import ActorContext, Recipe, Shard
 from ..distributed import FailureReport, peer_failed
 from ..distributed.runtime import ProcessGroupRuntime
-from ..elastic.quorum import Generation
-from ..elastic.recovery import recoverable
 from ..elastic.watcher import ReformWatcher
 from ...errors import (
     ConfigError,
@@ -56,12 +54,10 @@ from ...errors import (
 )
 from ..data.feeder import BatchReader, check_batch_source
 from ..step.mailbox import Mailbox
-from ..step.messages import Close, ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
+from ..step.messages import ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
 from .outcome import first_failure, is_cancellation, raised_by_block
-from .peers import MEMBERSHIP_CHANGING, SessionPeers
+from .lifecycle import SessionLife, _built
 from ..gradients.rebuild import PlanRebuild
-from ..state.recovery import attach_checkpoint, last_consistent
-from ..state.replicas import copy_replicas, equip_replicas
 from ..state.rng import capture_rng, restore_rng
 from ...result import FitStats, StepResult
 from ..step.server import SyncServer
@@ -76,17 +72,11 @@ if TYPE_CHECKING:
 
 __all__ = ("ReduceOp", "SessionCore", "open_session")
 
-# How long teardown waits for worker threads to finish their current job
-# before leaving them (they are daemons and stop at their next phase boundary
-# or gradient hook).
-_THREAD_GRACE_S = 0.5
-
 ReduceOp = Literal["sum", "mean", "max", "min"]
 logger = logging.getLogger("gsync")
-_T = TypeVar("_T")
 
 
-class SessionCore(SessionPeers):
+class SessionCore(SessionLife):
     """One open session's state and operations; users reach it through :class:`gsync.Session`."""
 
     def __init__(
@@ -496,16 +486,6 @@ class SessionCore(SessionPeers):
             raise self._failure or SessionClosed("the session closed during an operation")
         self._operations_done += 1
 
-    def _fail(self, error: BaseException) -> BaseException:
-        """Close the session for good because of ``error`` (raised by the caller)."""
-        self._abort.set()
-        self.end_requested.set()
-        if self._failure is None:
-            self._failure = error
-            if isinstance(error, GsyncError) and error.checkpoint is None:
-                self._attach_checkpoint(error)
-        return error
-
     @property
     def resume(self) -> Checkpoint | None:
         """The checkpoint the session started from."""
@@ -623,240 +603,6 @@ class SessionCore(SessionPeers):
             failure = await self._in_setup(lambda: runtime.blame_peer(blamed), failure)
         raise failure
 
-    # -- life: open ----------------------------------------------------------------
-
-    async def _start(self) -> None:
-        settings = self._settings
-        self._loop = loop = LoopHandle()
-        if settings.distributed:
-            # Joining, checks, reports and teardown of a process group all block:
-            # they run in a thread of their own, never on the event loop.
-            self._setup = WorkerThread("gsync-dist", loop)
-            elastic = self._elastic
-            generation = elastic.generation if elastic is not None else None
-            self._runtime = await self._setup.run(
-                lambda: ProcessGroupRuntime.start(
-                    settings.process_group if generation is None else generation.group,
-                    settings.store if generation is None else generation.store,
-                    settings.devices[0].type,
-                    settings.devices[0].torch_device,
-                    len(settings.devices),
-                    # The transport must not give up before gsync's own deadline for a step.
-                    settings.sync_timeout * settings.devices_in_turn,
-                    self._process_local,
-                    self._abort,
-                    elastic=generation is not None,
-                    names=None if generation is None else generation.members,
-                )
-            )
-            await self._listen_to_peers()
-            if elastic is not None and generation is not None:
-                self._watch_membership(elastic, generation, loop)
-        # Planned from the model itself, so a model with nothing to train is refused first.
-        plan = plan_buckets(settings, [(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
-        # A copy of the model per device takes tens of milliseconds for a 10M-parameter MLP (seconds for a large
-        # model): off the event loop, which other tasks of the user's program share. The user's factories run on
-        # the loop, as the rest of the user's code does.
-        copies = await anyio.to_thread.run_sync(copy_replicas, self.model, settings.devices, self._resume)
-        replicas = equip_replicas(copies, settings.devices, self._recipe, self._resume)
-        runtime = self._runtime
-        if runtime is not None:
-            await self._start_with_peers(runtime, [r.module for r in replicas])
-        parts = assemble(settings, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local)
-        self._topology = parts.topology
-        self._context = parts.context
-        self._streams = parts.streams
-        self._collective = parts.collective
-        self._buffers = parts.buffers
-        self._server_mailbox = parts.server_mailbox
-        self._session_mailbox = parts.session_mailbox
-        self._actors = parts.actors
-        self._rebuild = parts.rebuild
-        self._server = parts.server
-        self.trace = parts.trace
-        resume = self._resume
-        if resume is not None and resume.rng_state is not None:
-            # A loop of the user's continues from the checkpoint's generators (its next batch is drawn from them);
-            # a fit that replays its data first rewinds to these, as the interrupted run read its data with them.
-            self._rng_before_resume = capture_rng([spec.torch_device for spec in settings.devices if spec.torch_device.type == "cuda"])
-            restore_checkpoint_rng(resume)
-        self._open = self._started = True
-        logger.info(
-            "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
-            ", ".join(spec.name for spec in settings.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
-            "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
-        )
-
-    def _watch_membership(self, elastic: ElasticMembership, generation: Generation, loop: LoopHandle) -> None:
-        """From now on, answer a membership change at once, and hear of processes that knock."""
-        runtime = _built(self._runtime)
-        runtime.change_wanted = elastic.leaving  # a SIGTERM that came while this generation started
-
-        def knocked() -> None:
-            runtime.change_wanted = True
-
-        def changing() -> None:
-            self._peer_news.append(MEMBERSHIP_CHANGING)
-            self._peer_news_arrived.set()
-            self._abort.set()  # threads inside the step's collectives leave them: the step is redone
-
-        watcher = ReformWatcher(_built(elastic.run), generation, lambda: loop.call_soon(changing), knocked)
-        self._watcher = watcher
-        watcher.start()
-
-    # -- life: serve -----------------------------------------------------------------
-
-    async def _serve(self) -> None:
-        """Run the server, the actors and (across processes) the peer watcher until the session ends.
-
-        A failure is settled here (threads stopped, the failure picked,
-        reported to peers, given its checkpoint); a waiting :meth:`step`
-        then raises it, otherwise it is raised into the task group, which
-        cancels the user's code.
-        """
-        server = _built(self._server)
-        try:
-            async with anyio.create_task_group() as group:
-                if self._runtime is not None:
-                    group.start_soon(self._watch_peers)
-                async with anyio.create_task_group() as work:
-                    work.start_soon(server.run)
-                    for actor in self._actors:
-                        work.start_soon(actor.run)
-                group.cancel_scope.cancel()
-        except BaseExceptionGroup as errors:
-            if is_cancellation(errors):
-                self._settled.set()
-                raise
-            closed_already = self._failure is not None
-            self._failing = True
-            try:
-                failure = await self._settle(errors)
-                self._fail(failure)
-            finally:
-                self._settled.set()
-        else:
-            self._settled.set()
-            return
-        if closed_already:
-            return  # an operation closed the session; its caller already knows
-        if self._stepping and self._op_scope is not None:
-            self._op_scope.cancel()  # the operation raises the failure
-            return
-        if self._runtime is not None and self._runtime.elastic and recoverable(failure):
-            return  # the membership changes between calls: the next call waits for the next generation
-        self.undelivered = failure
-        if self.on_idle_failure is not None:
-            self.on_idle_failure()
-        raise failure
-
-
-    def _stop_serving(self) -> None:
-        """End the data: actors finish what they hold, the server closes them, serving returns."""
-        for actor in self._actors:
-            actor.shards.close()
-        if self._server_mailbox is not None:
-            self._server_mailbox.try_post(Close("end of session"))
-
-    # -- life: close ---------------------------------------------------------------
-
-    async def _teardown(self) -> None:
-        """Stop every actor and thread of the session (not the process group). Idempotent."""
-        if self._torn_down:
-            return
-        self._torn_down = True
-        self._open = False
-        self._abort.set()
-        for actor in self._actors:
-            actor.shards.discard()
-        if self._server_mailbox is not None:
-            self._server_mailbox.discard()
-        # The session mailbox stays open: a step waiting on it learns of a
-        # failure only once the failure is settled (see _serve).
-        workers = []
-        for actor in self._actors:
-            actor.close()
-            actor.mailbox.discard()
-            if actor.worker not in workers:  # CPU devices may share one
-                workers.append(actor.worker)
-        if self._server is not None and self._streams is not None:
-            streams = self._streams
-            # The last job of the communication thread waits for every stream's queued
-            # work (a host sync, so never on the event loop), before replica state is
-            # read and bucket buffers are freed.
-            self._server.comm.submit(lambda: streams.close(timeout=_THREAD_GRACE_S * 10), lambda outcome: None)
-            self._server.close()
-            workers.append(self._server.comm)
-        deadline = time.monotonic() + _THREAD_GRACE_S
-        for worker in workers:
-            await worker.join(max(0.0, deadline - time.monotonic()))
-        if self._collective is not None:
-            self._collective.close()
-
-    async def _settle(self, errors: BaseExceptionGroup[Any]) -> BaseException:
-        """The one exception a failed session raises: threads stopped first, then picked, reported, checkpointed."""
-        await self._teardown()
-        # Devices that failed while the group was already ending had their
-        # tasks cancelled before they could raise; their failures were kept on the actor.
-        late = [actor.failure for actor in self._actors if actor.failure is not None]
-        if self._server is not None and self._server.failure is not None:
-            late.append(self._server.failure)
-        failure = first_failure(errors, late)
-        runtime = self._runtime
-        if runtime is not None and isinstance(failure, GsyncError):
-            # Blame before reporting: a stuck peer that heard this rank's report
-            # would leave its session, and its heartbeat would no longer say
-            # where it was stuck. The blame waits a bounded time (heartbeats),
-            # so two ranks whose collective failed never wait on each other.
-            if isinstance(failure, (SyncFailed, SyncTimeout)):
-                collective_failure = failure
-                failure = await self._in_setup(lambda: runtime.blame_peer(collective_failure), failure)
-            await self._report(failure)
-        if isinstance(failure, GsyncError):
-            self._attach_checkpoint(failure)
-        return failure
-
-
-    async def _close(self) -> None:
-        """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
-        self._ended = True
-        with anyio.CancelScope(shield=True):
-            if self._watcher is not None:
-                self._watcher.stop()
-            await self._teardown()
-            if self._session_mailbox is not None:
-                self._session_mailbox.discard()
-            if self._runtime is not None:
-                await self._in_setup(self._runtime.close, None)
-            if self._setup is not None:
-                self._setup.stop()
-                await self._setup.join(_THREAD_GRACE_S)
-
-    async def _finish(self) -> None:
-        """After a clean end: the model passed in receives the first replica's parameters and buffers.
-
-        A copy of every parameter and buffer, in a thread: not on the event loop.
-        """
-        if not self._actors:
-            return
-        replica = self._actors[0].replica
-
-        def write_back() -> None:
-            with torch.no_grad():
-                self.model.load_state_dict(replica.state_dict())
-
-        await anyio.to_thread.run_sync(write_back)
-
-    def _attach_checkpoint(self, failure: GsyncError) -> None:
-        """Give ``failure`` the most advanced consistent state any replica still holds (tried once per failure)."""
-        if not self._actors or id(failure) in self._checkpoint_attempted:
-            return
-        self._checkpoint_attempted.add(id(failure))
-        attach_checkpoint(failure, lambda busy: last_consistent(
-            self._actors, busy=busy, first_step=self.first_step, model=self.model, resume=self._resume,
-            buffers=self._buffers,
-        ))
-
 
 @asynccontextmanager
 async def open_session(
@@ -926,10 +672,3 @@ def _reduced_as(value: float | torch.Tensor, reduced: float | torch.Tensor, op: 
     if op == "mean":
         return total / world_size  # a Python division: an int64 sum is divided exactly, not in float32
     return int(total) if isinstance(value, int) else float(total)
-
-
-def _built(value: _T | None) -> _T:
-    """A part of the session that exists once it is open."""
-    if value is None:
-        raise SessionClosed("the session is not open: use it inside `async with engine.session(...)`")
-    return value
