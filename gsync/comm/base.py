@@ -4,6 +4,8 @@ Keeping it to two operations is deliberate: each implementation (in-process
 CPU, NCCL, torch.distributed) implements all of it and passes the same
 conformance cases (``tests/unit/comm/test_conformance.py``, run in-process, on
 CUDA devices and across processes), so no backend can leave an operation out.
+What a transport can do beyond them it says in :attr:`Collective.capabilities`,
+so that gsync picks a path by asking, not by its class.
 """
 
 from __future__ import annotations
@@ -32,6 +34,19 @@ class Collective(Protocol):
     @property
     def world_devices(self) -> int:
         """The number of devices across all processes."""
+        ...
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What it can do beyond this protocol's operations; empty for a transport that only all-reduces and
+        broadcasts flat tensors.
+
+        - ``"in_place"``: ``all_reduce_each(tensors, weights)`` reduces several tensors per device where they lie
+          (``tensors[i][k]`` is device ``i``'s ``k``-th tensor), so gradients need no copy into a bucket first.
+        - ``"per_bucket"``: ``reduce_bucket(bucket, tensors, weights)`` is :meth:`all_reduce` of bucket
+          ``bucket`` (a compression hook keeps state per bucket) and returns the bytes per device that crossed
+          the transport.
+        """
         ...
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import ConfigError, GsyncError
+from .._core.transports.capabilities import PER_BUCKET
 from .base import Collective
 
 __all__ = ("AllReduce", "CompressionHook", "LowPrecision")
@@ -174,6 +175,11 @@ class CompressedCollective:
     @property
     def world_devices(self) -> int:
         return self.inner.world_devices
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        # Its payloads are the hook's, formed in the bucket buffers: never in place.
+        return frozenset({PER_BUCKET})
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         """Replace every tensor with the weighted sum over all devices, compressed on the way, in place.

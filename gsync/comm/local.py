@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .._core.transports.capabilities import IN_PLACE
+
 __all__ = ("LocalCollective",)
 
 
@@ -29,6 +31,10 @@ class LocalCollective:
     @property
     def world_devices(self) -> int:
         return self._num_devices
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset({IN_PLACE})
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         self.all_reduce_each([[tensor] for tensor in tensors], weights)

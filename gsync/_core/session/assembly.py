@@ -18,9 +18,9 @@ from ..step.agreement import LocalAgreement, StepAgreement
 from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
+from ..transports.capabilities import IN_PLACE
 from ...comm.compressed import CompressedCollective
 from ...comm.local import LocalCollective
-from ..transports.capabilities import ReducesInPlace
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective
 from ..step.context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints
@@ -155,7 +155,7 @@ def _context(
     # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
     # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
     alone = collective.world_devices == 1 and settings.compression is None
-    grads_in_place = alone or (settings.compression is None and isinstance(collective, ReducesInPlace))
+    grads_in_place = alone or (settings.compression is None and IN_PLACE in collective.capabilities)
     device_names = [spec.name for spec in settings.devices]
     return ActorContext(
         plan=plan,

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from functools import partial
+from typing import cast
 
 import torch
 
@@ -28,7 +29,7 @@ from .agreement import AgreedStep, StepAgreement, StepFacts
 from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
-from ..transports.capabilities import ReducesBuckets, ReducesInPlace
+from ..transports.capabilities import IN_PLACE, PER_BUCKET, ReducesBuckets, ReducesInPlace
 from .context import ActorContext, DeviceEndpoint
 from ...errors import GsyncError, SyncFailed
 from .mailbox import Mailbox
@@ -91,13 +92,14 @@ class SyncServer:
         self._collective = collective
         # Gradients left in .grad (context.grads_in_place) are reduced where they are, which only the
         # in-process collective can do.
-        # Asked once: a protocol check costs microseconds, and a step reduces several buckets.
-        self._bucket_reducer = collective if isinstance(collective, ReducesBuckets) else None
+        # Asked once, not per bucket.
+        capabilities = collective.capabilities
+        self._bucket_reducer = cast(ReducesBuckets, collective) if PER_BUCKET in capabilities else None
         self._in_place_collective: ReducesInPlace | None = None
         if context.grads_in_place and not context.alone:
-            if not isinstance(collective, ReducesInPlace):
+            if IN_PLACE not in capabilities:
                 raise ValueError(f"gradients left in .grad need a collective that reduces in place, not {collective!r}")
-            self._in_place_collective = collective
+            self._in_place_collective = cast(ReducesInPlace, collective)
         self._agreement = agreement
         self._rebuild = rebuild
         # The session's settings (timeout, trace, fault hooks, abort flag) come

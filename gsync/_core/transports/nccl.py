@@ -100,6 +100,10 @@ class NcclCollective:
     def world_devices(self) -> int:
         return len(self._devices)
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset()
+
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         """Replace every tensor with ``sum(weights[i] * tensors[i])``, in place, stream-ordered.
 

@@ -79,6 +79,10 @@ class ProcessGroupCollective:
         return self._topology.world_devices
 
     @property
+    def capabilities(self) -> frozenset[str]:
+        return frozenset()
+
+    @property
     def topology(self) -> Topology:
         return self._topology
 

@@ -56,6 +56,10 @@ class _OnGpus:
     def world_devices(self) -> int:
         return self.inner.world_devices
 
+    @property
+    def capabilities(self) -> frozenset[str]:
+        return self.inner.capabilities
+
     def all_reduce(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
         on_gpus = [t.to(d) for t, d in zip(tensors, self._devices)]
         self.inner.all_reduce(on_gpus, weights)
