@@ -28,7 +28,7 @@ from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
 from .elastic import Elastic
 from .errors import ConfigError
-from ._core.session.fit import FitLoopSettings
+from ._core.session.fit_settings import FitLoopSettings
 from .result import FitResult, FitStats
 from .session import SessionOpener
 from ._core.trace_files import trace_setting

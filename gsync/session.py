@@ -62,7 +62,8 @@ from ._core.step.context import Recipe
 from .elastic import MembershipChange
 from .errors import ConfigError, GsyncError, SessionClosed
 from ._core.elastic.recovery import recoverable
-from ._core.session.fit import FitLoopSettings, run_fit
+from ._core.session.fit import run_fit
+from ._core.session.fit_settings import FitLoopSettings
 from ._core.session.outcome import is_cancellation
 from .result import FitResult, FitStats, StepResult
 from .trace import Trace

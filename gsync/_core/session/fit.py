@@ -9,8 +9,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -20,10 +20,11 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ..state.checkpointing import restore_checkpoint_rng
-from ..state.checkpointing import CheckpointSettings, CheckpointWriter
-from ...errors import CheckpointError, ConfigError, InputTypeError, StopTraining
-from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch, check_batch_source
+from ..state.checkpointing import CheckpointWriter
+from ...errors import CheckpointError, ConfigError, StopTraining
+from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch
 from .outcome import flatten, is_cancellation
+from .fit_settings import FitLoopSettings
 from .progress import Progress, progress_wanted
 from ...result import FitResult, StepRecord
 from ...result import StepResult
@@ -34,10 +35,7 @@ if TYPE_CHECKING:
     from ...elastic import MembershipChange
     from .core import SessionCore
 
-__all__ = ("FitLoopSettings", "check_callbacks", "run_fit")
-
-_CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end", "on_membership_change")
-
+__all__ = ("FitLoopSettings", "run_fit")
 
 class MembershipCarry(Protocol):
     """What carries a fit across an elastic run's membership changes: the session handle."""
@@ -57,58 +55,6 @@ class MembershipCarry(Protocol):
 
     @property
     def _elastic(self) -> bool: ...
-
-
-@dataclass(frozen=True)
-class FitLoopSettings:
-    """``fit``'s loop arguments, checked: what :meth:`gsync.Session.fit` and :meth:`gsync.Engine.fit` share."""
-
-    epochs: int
-    accumulate: int
-    callbacks: list[Any]
-    progress: bool | None
-    checkpoints: CheckpointSettings | None
-
-    @classmethod
-    def checked(
-        cls,
-        data: object,
-        epochs: object,
-        accumulate: object,
-        callbacks: object,
-        progress: object,
-        checkpoint_dir: object,
-        checkpoint_every: object,
-        keep: object,
-    ) -> FitLoopSettings:
-        """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
-        check_batch_source(data)
-        if isinstance(data, (Iterator, AsyncIterator)) and epochs > 1:
-            raise ConfigError(
-                f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
-                "so each epoch can start over"
-            )
-        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)  # type: ignore[arg-type]
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
-        per_epoch = batches_per_epoch(data)
-        if per_epoch == 0:
-            raise ConfigError(
-                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
-                "its dataset has none: lower batch_size or set drop_last=False"
-            )
-        if per_epoch is not None and per_epoch < accumulate:
-            raise ConfigError(
-                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
-                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
-                "lower accumulate"
-            )
-        checked_callbacks = check_callbacks(callbacks)
-        if progress is not None and not isinstance(progress, bool):
-            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints)
 
 
 async def run_fit(
@@ -439,22 +385,6 @@ class _FeedItems:
             return await self._items.receive()
         except anyio.EndOfStream:
             raise StopAsyncIteration from None
-
-
-def check_callbacks(callbacks: object) -> list[Any]:
-    """:raises ~gsync.InputTypeError: unless every callback has at least one of the hooks."""
-    if callbacks is None:
-        return []
-    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
-        raise InputTypeError(f"callbacks must be a list of callback objects, got {type(callbacks).__name__}")
-    checked = list(callbacks)
-    for callback in checked:
-        if not any(callable(getattr(callback, hook, None)) for hook in _CALLBACK_HOOKS):
-            raise InputTypeError(
-                f"callback {callback!r} has none of {', '.join(_CALLBACK_HOOKS)}; give it at least one "
-                "(each is called as hook(session, ...), sync or async)"
-            )
-    return checked
 
 
 def _total_steps(data: object, epochs: int, accumulate: int) -> int | None:

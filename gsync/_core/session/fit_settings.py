@@ -1,0 +1,83 @@
+"""``fit``'s loop arguments, checked before any work: what :meth:`gsync.Session.fit` and :meth:`gsync.Engine.fit` share."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ConfigError, InputTypeError
+from ..data.feeder import batches_per_epoch, check_batch_source
+from ..state.checkpointing import CheckpointSettings
+
+__all__ = ("CALLBACK_HOOKS", "FitLoopSettings", "check_callbacks")
+
+CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end", "on_membership_change")
+
+
+@dataclass(frozen=True)
+class FitLoopSettings:
+    """``fit``'s loop arguments, checked: what :meth:`gsync.Session.fit` and :meth:`gsync.Engine.fit` share."""
+
+    epochs: int
+    accumulate: int
+    callbacks: list[Any]
+    progress: bool | None
+    checkpoints: CheckpointSettings | None
+
+    @classmethod
+    def checked(
+        cls,
+        data: object,
+        epochs: object,
+        accumulate: object,
+        callbacks: object,
+        progress: object,
+        checkpoint_dir: object,
+        checkpoint_every: object,
+        keep: object,
+    ) -> FitLoopSettings:
+        """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
+        check_batch_source(data)
+        if isinstance(data, (Iterator, AsyncIterator)) and epochs > 1:
+            raise ConfigError(
+                f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
+                "so each epoch can start over"
+            )
+        checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)  # type: ignore[arg-type]
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        per_epoch = batches_per_epoch(data)
+        if per_epoch == 0:
+            raise ConfigError(
+                "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
+                "its dataset has none: lower batch_size or set drop_last=False"
+            )
+        if per_epoch is not None and per_epoch < accumulate:
+            raise ConfigError(
+                f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
+                "no step would run (an epoch's left-over batches are left out, not carried into the next); "
+                "lower accumulate"
+            )
+        checked_callbacks = check_callbacks(callbacks)
+        if progress is not None and not isinstance(progress, bool):
+            raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
+        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints)
+
+
+def check_callbacks(callbacks: object) -> list[Any]:
+    """:raises ~gsync.InputTypeError: unless every callback has at least one of the hooks."""
+    if callbacks is None:
+        return []
+    if not isinstance(callbacks, Iterable) or isinstance(callbacks, (str, bytes)):
+        raise InputTypeError(f"callbacks must be a list of callback objects, got {type(callbacks).__name__}")
+    checked = list(callbacks)
+    for callback in checked:
+        if not any(callable(getattr(callback, hook, None)) for hook in CALLBACK_HOOKS):
+            raise InputTypeError(
+                f"callback {callback!r} has none of {', '.join(CALLBACK_HOOKS)}; give it at least one "
+                "(each is called as hook(session, ...), sync or async)"
+            )
+    return checked
