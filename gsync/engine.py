@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import Checkpoint
-from .comm.compressed import CompressionHook, resolve_compression
+from ._core.transports.compressed import resolve_compression
+from .comm.compressed import CompressionHook
 from ._core.step.context import SiteHook
 from ._core.arguments import checked_recipe, positive, resume_argument
 from ._core.devices import DeviceSpec, parse_devices, plan_device_threads

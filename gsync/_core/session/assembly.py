@@ -19,7 +19,7 @@ from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
 from ..transports.capabilities import IN_PLACE
-from ...comm.compressed import CompressedCollective
+from ..transports.compressed import CompressedCollective
 from ...comm.local import LocalCollective
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective

@@ -17,7 +17,7 @@ from torch import nn
 
 import gsync
 from gsync.comm import LocalCollective, LowPrecision
-from gsync.comm.compressed import CompressedCollective
+from gsync._core.transports.compressed import CompressedCollective
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 
 STEPS = 20
