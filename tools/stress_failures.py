@@ -173,19 +173,6 @@ SCENARIOS: dict[str, tuple[Ranks, Check]] = {
 _ELASTIC_STEPS = 10
 
 
-def _elastic_reference(steps: int) -> dict[str, Any]:
-    """The uninterrupted run's parameters: one plain loop over the same global batches (as the elastic tests)."""
-    from tests.multiproc.elastic_job import global_batches, loss, model, optimizer
-
-    reference = model()
-    optim = optimizer(reference.parameters())
-    for batch in global_batches(steps):
-        optim.zero_grad()
-        loss(reference, batch).backward()
-        optim.step()
-    return reference.state_dict()
-
-
 def _elastic_problem(names: list[str], expected: dict[str, Any], outcomes: dict[str, Any],
                      codes: dict[str, int | None]) -> str | None:
     import torch
@@ -218,6 +205,7 @@ def elastic_killed(victim: int, how: str = "kill") -> str | None:
     """3 ranks, elastic; ``victim`` SIGKILLs itself mid-step (in loss_fn at step 4), or SIGTERMs itself there and
     departs (``how="term"``), or SIGKILLs itself as the first session opens (``how="opening"``): the others end
     exact, having recorded the one change."""
+    from tests.multiproc.elastic_job import uninterrupted
     from tests.multiproc.elastic_ranks import ElasticRanks
 
     config: dict[str, Any] = {"steps": _ELASTIC_STEPS}
@@ -239,7 +227,7 @@ def elastic_killed(victim: int, how: str = "kill") -> str | None:
             return f"rank {victim} should have departed (Departed, exit status 0): {departed.get('type')}, exit status {codes[str(victim)]}\n{logs}"
     elif codes[str(victim)] != -signal.SIGKILL:
         return f"rank {victim} should have died of its SIGKILL, exit status {codes[str(victim)]}\n{logs}"
-    problem = _elastic_problem(kept, _elastic_reference(_ELASTIC_STEPS), outcomes, codes)
+    problem = _elastic_problem(kept, uninterrupted(_ELASTIC_STEPS), outcomes, codes)
     reason = "left" if how == "term" else "lost"
     if problem is None:
         for name in kept:
@@ -255,6 +243,7 @@ def elastic_killed(victim: int, how: str = "kill") -> str | None:
 
 def elastic_killed_and_restarted() -> str | None:
     """3 ranks, elastic; rank 1 SIGKILLed at step 3, started again at once: it rejoins, and all three end exact."""
+    from tests.multiproc.elastic_job import uninterrupted
     from tests.multiproc.elastic_ranks import ElasticRanks
 
     steps = 14
@@ -275,7 +264,7 @@ def elastic_killed_and_restarted() -> str | None:
             return f"{error}\n{ranks.logs()}"
         codes = _exit_codes(ranks, names)
         logs = ranks.logs()
-    problem = _elastic_problem(names, _elastic_reference(steps), outcomes, codes)
+    problem = _elastic_problem(names, uninterrupted(steps), outcomes, codes)
     if problem is None:
         for name in ("0", "2"):
             changes = [(c[1], c[2], c[3]) for c in outcomes[name]["membership"]]

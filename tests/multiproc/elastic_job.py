@@ -76,6 +76,24 @@ def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return nn.functional.mse_loss(model(x), y)
 
 
+def uninterrupted(steps: int) -> dict[str, torch.Tensor]:
+    """The parameters of one plain PyTorch loop over the same global batches: what every elastic run must end with."""
+    reference = model()
+    optim = optimizer(reference.parameters())
+    for batch in global_batches(steps):
+        optim.zero_grad()
+        loss(reference, batch).backward()
+        optim.step()
+    return reference.state_dict()
+
+
+def assert_equal_to(expected: dict[str, torch.Tensor], outcome: dict) -> None:
+    """A rank's saved outcome ended its fit with ``expected``'s parameters (to 1e-5)."""
+    assert outcome["ok"], outcome.get("traceback")
+    for name, tensor in expected.items():
+        torch.testing.assert_close(outcome["state"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def first_knock_key() -> str:
     # The elastic run's own key (gsync/_core/elastic/quorum.py): who knocked first on run 0, set as it knocks.
     return f"{run_scope()}/run0/knock1"

@@ -17,26 +17,12 @@ import torch
 
 from torch.utils.data import DistributedSampler
 
-from tests.multiproc.elastic_job import LOCAL_BATCH, global_batches, local_dataset, loss, model, optimizer, reshard
+from tests.multiproc.elastic_job import (
+    LOCAL_BATCH, assert_equal_to, local_dataset, loss, model, optimizer, reshard, uninterrupted,
+)
 from tests.multiproc.elastic_ranks import ElasticRanks
 
 STEPS = 10
-
-
-def uninterrupted(steps: int = STEPS) -> dict[str, torch.Tensor]:
-    reference = model()
-    optim = optimizer(reference.parameters())
-    for batch in global_batches(steps):
-        optim.zero_grad()
-        loss(reference, batch).backward()
-        optim.step()
-    return reference.state_dict()
-
-
-def assert_equal_to(expected: dict[str, torch.Tensor], outcome: dict[str, Any]) -> None:
-    assert outcome["ok"], outcome.get("traceback")
-    for name, tensor in expected.items():
-        torch.testing.assert_close(outcome["state"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def survivors(ranks: ElasticRanks, names: list[str], timeout: float = 90, *, only: bool = False) -> dict[str, dict[str, Any]]:
@@ -52,7 +38,7 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
     config = {"steps": STEPS, "die": {"rank": victim, "step": 4, "how": "kill"}}
     with ElasticRanks(3, config) as ranks:
         outcomes = survivors(ranks, [str(r) for r in range(3) if r != victim])
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     kept = [r for r in range(3) if r != victim]
     for rank in kept:
         outcome = outcomes[str(rank)]
@@ -74,7 +60,7 @@ def test_a_rank_killed_while_the_first_session_opens_leaves_the_others_to_start_
     # Nothing was applied yet: the survivors start from the initial state over the new membership.
     with ElasticRanks(3, {"steps": STEPS, "dies_opening": 1}) as ranks:
         outcomes = survivors(ranks, ["0", "2"])
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     for rank in ("0", "2"):
         assert_equal_to(expected, outcomes[rank])
         assert outcomes[rank]["world_sizes"] == [2] * STEPS
@@ -120,7 +106,7 @@ def test_a_users_own_step_loop_is_carried_across_a_loss() -> None:
     config = {"steps": STEPS, "mode": "loop", "die": {"rank": 1, "step": 4, "how": "kill"}}
     with ElasticRanks(3, config) as ranks:
         outcomes = survivors(ranks, ["0", "2"])
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     for rank in ("0", "2"):
         assert_equal_to(expected, outcomes[rank])
         assert outcomes[rank]["world_sizes"][-1] == 2
@@ -154,7 +140,7 @@ def test_a_frozen_rank_is_dropped_after_its_silence() -> None:
         # exit until the group's timeout; a frozen process is killed in the end (a scheduler would).
         ranks.signal("2", signal.SIGKILL)
         outcomes = survivors(ranks, ["0", "1"], only=True)
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     for rank in ("0", "1"):
         assert_equal_to(expected, outcomes[rank])
         (change,) = outcomes[rank]["membership"]
@@ -168,7 +154,7 @@ def test_two_of_four_ranks_lost_at_once() -> None:
     config = {"steps": STEPS, "die": {"rank": [1, 2], "step": 4, "how": "kill"}}
     with ElasticRanks(4, config) as ranks:
         outcomes = survivors(ranks, ["0", "3"])
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     for rank in ("0", "3"):
         assert_equal_to(expected, outcomes[rank])
         changes = outcomes[rank]["membership"]
@@ -184,7 +170,7 @@ def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once() -> None:
     departed = outcomes["1"]
     assert departed["type"] == "Departed", departed
     assert departed["last_step"] in (4, 5), departed
-    expected = uninterrupted()
+    expected = uninterrupted(STEPS)
     for rank in ("0", "2"):
         assert_equal_to(expected, outcomes[rank])
         (change,) = outcomes[rank]["membership"]

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiproc.elastic_job import global_batches, loss, model, optimizer
+from tests.multiproc.elastic_job import assert_equal_to, uninterrupted
 
 _JOB = Path(__file__).with_name("torchrun_elastic_job.py")
 _ROOT = Path(__file__).resolve().parents[2]
@@ -47,22 +47,6 @@ _BOOT = (
     "os.getppid() == int(sys.argv[1]) or os._exit(1)\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
-
-
-def uninterrupted(steps: int) -> dict[str, torch.Tensor]:
-    reference = model()
-    optim = optimizer(reference.parameters())
-    for batch in global_batches(steps):
-        optim.zero_grad()
-        loss(reference, batch).backward()
-        optim.step()
-    return reference.state_dict()
-
-
-def assert_equal_to(expected: dict[str, torch.Tensor], outcome: dict[str, Any]) -> None:
-    assert outcome["ok"], outcome.get("traceback")
-    for name, tensor in expected.items():
-        torch.testing.assert_close(outcome["state"][name], tensor, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 class TorchrunJob:
