@@ -96,8 +96,7 @@ class Generation:
 
     def abort_collectives(self) -> None:
         """End what is pending on an NCCL ``group`` (a change is coming); nothing for gloo."""
-        if self.group is not self.host:
-            abort_communicator(self.group)
+        abort_communicator(self.group)
 
     def rank_of(self, launch_rank: int) -> int:
         return self.members.index(launch_rank)
