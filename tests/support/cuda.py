@@ -1,4 +1,4 @@
-"""What the tests that need a GPU share: the skip mark, the devices, a long kernel, a thread of its own."""
+"""What the tests that need a GPU share: the skip mark, the devices, a long kernel, its warm-up, a thread of its own."""
 
 from __future__ import annotations
 
@@ -42,3 +42,29 @@ def long_kernel() -> None:
     if not hasattr(torch.cuda, "_sleep"):
         pytest.skip("torch.cuda._sleep is not available in this torch build")
     torch.cuda._sleep(1_000_000_000)
+
+
+def warm_kernels(*work: Callable[[], object]) -> None:
+    """Launch every kernel a timing test will use once, and wait for them, before the test queues its long kernel.
+
+    torch runs CUDA with lazy module loading (it sets ``CUDA_MODULE_LOADING=LAZY``
+    unless the variable is set): a kernel is loaded on its first launch in the
+    process, and CUDA documents that loading one "might require context
+    synchronization". A test that queues a long kernel and then asserts that
+    nothing blocked the host would see its own first ``add_`` wait for the long
+    kernel, and blame gsync: on an H200 the first ``add_`` of the process took
+    0.5 s behind the sleep kernel, and the test failed 3 of 3 (issue 43). Warm
+    the very tensors (dtype, size, layout) the timed window touches, since each
+    kernel variant loads on its own.
+
+    The sleep kernel itself is warmed on every device; each ``work`` is called
+    once, then every device is synchronized.
+    """
+    for device in cuda_devices():
+        with torch.cuda.device(device):
+            if hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(1)
+    for launch in work:
+        launch()
+    for device in cuda_devices():
+        torch.cuda.synchronize(device)

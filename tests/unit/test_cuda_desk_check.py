@@ -29,8 +29,8 @@ from gsync._core.distributed.membership import GroupMembership
 from gsync._core.distributed.runtime import agree_over, host_all_reduce, host_group
 from gsync._core.step.readout import LossReadout, ScalarReadout
 from gsync._core.streams.cuda import wait_on_host
+from tests.support.cuda import long_kernel, needs_cuda, warm_kernels
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices"
 )
@@ -344,15 +344,9 @@ async def test_a_scaled_step_reports_its_skip_without_reading_the_scale(
 # --------------------------------------------------------------------------------------------------
 
 
-def long_kernel() -> None:
-    """Queue roughly half a second of GPU work on the current stream."""
-    if not hasattr(torch.cuda, "_sleep"):
-        pytest.skip("torch.cuda._sleep is not available in this torch build")
-    torch.cuda._sleep(1_000_000_000)
-
-
 @needs_cuda
 def test_a_host_wait_on_a_busy_gpu_leaves_on_abort() -> None:
+    warm_kernels()  # the sleep kernel's first launch, never behind a busy GPU
     event = torch.cuda.Event()
     long_kernel()
     event.record()
@@ -371,6 +365,7 @@ def test_the_loss_readout_leaves_on_abort_behind_a_busy_stream() -> None:
     readout = LossReadout(torch.device("cuda"), abort)
     readout.start(1)
     loss = torch.tensor(2.0, device="cuda")  # made first: a blocking copy to the GPU would wait for the kernel
+    warm_kernels()
     long_kernel()
     readout.add(loss, 1.0)
     abort.set()
@@ -418,6 +413,7 @@ def test_a_side_stream_bucket_write_waits_for_the_compute_stream() -> None:
     sync = CudaStreamSync([torch.device("cuda", 0)], 1)
     side = torch.cuda.Stream()
     done = torch.cuda.Event()
+    warm_kernels()  # the side stream's short sleep is the long kernel's own: loaded here, not behind it
 
     def job() -> None:
         with sync.compute_stream(0):

@@ -29,7 +29,7 @@ import torch
 
 import gsync
 from gsync._core.streams import CudaStreamSync, HostStreamSync, StreamOrderError, StreamSync, make_stream_sync
-from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda
+from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda, warm_kernels
 
 
 # --------------------------------------------------------------------------------------------------
@@ -818,7 +818,19 @@ def test_cuda_sync_orders_streams_without_blocking_the_host() -> None:
     sync = CudaStreamSync(devices, 1)
     grads = [torch.zeros(1 << 20, device=d) for d in devices]
     received = [torch.zeros_like(g) for g in grads]
-    torch.cuda.synchronize()
+
+    def every_kernel_of_the_window() -> None:
+        # A kernel's first launch may wait for the long kernel (lazy loading, see warm_kernels): without this the
+        # first add_ of the process stalled the host for the whole 0.5 s on an H200. Zeroed again afterwards, so a
+        # comm stream that did not wait still reads stale zeros.
+        for grad, got in zip(grads, received):
+            grad.fill_(1.0)
+            got.copy_(grad)
+            grad.add_(got)
+            grad.zero_()
+            got.zero_()
+
+    warm_kernels(every_kernel_of_the_window)
 
     def backward(device: int) -> None:
         with sync.compute_stream(device):

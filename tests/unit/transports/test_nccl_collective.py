@@ -13,7 +13,7 @@ import torch
 import gsync
 from gsync._core.transports.nccl import NcclCollective
 from gsync._core.streams import CudaStreamSync, HostStreamSync
-from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda
+from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda, warm_kernels
 
 
 # --------------------------------------------------------------------------------------------------
@@ -108,10 +108,12 @@ def test_nccl_collective_does_not_block_the_host() -> None:
     sync, collective = nccl_pair()
     tensors = [torch.zeros(1 << 20, device=d) for d in sync.devices]
     # The first reduction over these devices builds the communicators (ncclCommInitAll), which blocks the
-    # host: it must not land in the window timed below, whatever ran before this test.
-    collective.all_reduce(tensors, [1.0] * len(tensors))
-    for device in sync.devices:
-        torch.cuda.synchronize(device)
+    # host, and the first launch of each kernel may wait for the long kernel (see warm_kernels): neither may
+    # land behind the long kernel, whatever ran before this test.
+    warm_kernels(
+        lambda: collective.all_reduce(tensors, [1.0] * len(tensors)),
+        lambda: [tensor.fill_(1.0) for tensor in tensors],
+    )
     for device, tensor in zip(sync.devices, tensors):
         with torch.cuda.device(device):
             long_kernel()  # on the caller's (default) stream, which the collective must wait for
@@ -135,8 +137,20 @@ def test_nccl_pipeline_across_threads_matches_the_arithmetic() -> None:
     n = len(devices)
     params = [torch.zeros(1 << 16, device=d) for d in devices]
     grads = [torch.zeros_like(p) for p in params]
-    torch.cuda.synchronize()
     weights = [1 / n] * n
+
+    def every_kernel_of_the_pipeline() -> None:
+        # The communicators' set-up and each kernel's first launch (the scale, the sum, fill_, sub_) would
+        # otherwise wait for step 0's long kernel (see warm_kernels): the reduction would then read the
+        # gradients after they were written whether or not it waits, and a missing wait would go unseen.
+        collective.all_reduce(grads, weights)
+        for param, grad in zip(params, grads):
+            grad.fill_(1.0)
+            param.sub_(grad)
+            param.zero_()
+            grad.zero_()
+
+    warm_kernels(every_kernel_of_the_pipeline)
     for step in range(3):
         for device in range(n):
 
