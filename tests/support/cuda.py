@@ -47,9 +47,10 @@ def long_kernel() -> None:
 def warm_kernels(*work: Callable[[], object]) -> None:
     """Launch every kernel a timing test will use once, and wait for them, before the test queues its long kernel.
 
-    torch runs CUDA with lazy module loading (it sets ``CUDA_MODULE_LOADING=LAZY``
-    unless the variable is set): a kernel is loaded on its first launch in the
-    process, and CUDA documents that loading one "might require context
+    CUDA loads kernels lazily by default (``CUDA_MODULE_LOADING=LAZY``: CUDA's
+    default since 12.2, and torch sets it on older drivers): a kernel is
+    loaded on its first launch in the process, and CUDA's programming guide
+    (Lazy Loading) says that loading one "might require context
     synchronization". A test that queues a long kernel and then asserts that
     nothing blocked the host would see its own first ``add_`` wait for the long
     kernel, and blame gsync: on an H200 the first ``add_`` of the process took
