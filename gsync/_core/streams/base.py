@@ -116,7 +116,8 @@ class StreamSync(Protocol):
     def after_reduce(self, bucket: int) -> None:
         """The communication thread has enqueued ``bucket``'s collective.
 
-        CUDA: records each device's done event on its comm stream.
+        CUDA: after the round's last reduction, records each device's done
+        event on its comm stream (what :meth:`before_apply` waits on).
         """
         ...
 

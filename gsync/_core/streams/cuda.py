@@ -120,6 +120,10 @@ class CudaStreamSync:
 
     One done event per device is enough: the comm stream is in order, so its
     last record of a round follows every reduction and broadcast of the round.
+    It is recorded once per round, after the round's last reduction (and after
+    the broadcast), not after every bucket: ``before_apply`` waits for the
+    whole round, so the earlier records of a round would only be overwritten
+    before anything waited on them.
 
     Bucket buffers need no ``record_stream``: they live for the whole fit and
     are freed only after :meth:`close` drained every stream. (A plan rebuild
@@ -159,6 +163,10 @@ class CudaStreamSync:
         # Recorded on the compute stream as each job enters it: what another stream writing the device's
         # buckets in that job must follow (see before_write).
         self._started = [_event() for _ in self._devices]
+        # after_reduce calls of the round in progress: the round's last one records the done events. Each bucket is
+        # reduced once per round, and no bucket of the next round before the last of this one (the next round's
+        # marks follow every device's before_apply, which follows every reduction of this round).
+        self._reduced_in_round = 0
         self._closed = False
 
     @property
@@ -209,7 +217,10 @@ class CudaStreamSync:
             self._order.after_reduce(bucket)
         else:
             self._check(0, bucket)
-        self._record_done()
+        self._reduced_in_round += 1
+        if self._reduced_in_round >= self._num_buckets:
+            self._reduced_in_round = 0
+            self._record_done()
 
     def after_broadcast(self) -> None:
         if self._order is not None:
@@ -256,6 +267,8 @@ class CudaStreamSync:
 
     def comm_streams(self) -> AbstractContextManager[None]:
         self._check(0, 0)
+        if len(self._comm) == 1:
+            return on_device(self._comm[0])  # the same, without an ExitStack per bucket
         return self._all_comm_context()
 
     @contextmanager
@@ -274,6 +287,7 @@ class CudaStreamSync:
         # before_reduce calls, so they can simply be dropped.
         self._ready = [[_event() for _ in range(num_buckets)] for _ in self._devices]
         self._num_buckets = num_buckets
+        self._reduced_in_round = 0
 
     def close(self, timeout: float | None = None) -> None:
         if self._closed:

@@ -68,8 +68,12 @@ class HostStreamSync:
                     f"device {device} marked bucket {bucket} ready in round {round_}, after that bucket's "
                     "reduction in the round began: the gradient written since would be lost or race the collective"
                 )
-            marked = self._ready.setdefault((round_, bucket), set())
-            if device in marked:
+            key = (round_, bucket)
+            marked = self._ready.get(key)
+            if marked is None:
+                # Made once per bucket and round, not per mark (setdefault would build a set every call).
+                marked = self._ready[key] = set()
+            elif device in marked:
                 raise StreamOrderError(
                     f"device {device} marked bucket {bucket} ready twice in round {round_}; each bucket is marked "
                     "once per step, and a device's round ends with before_apply"
@@ -88,9 +92,11 @@ class HostStreamSync:
             if bucket in self._reducing:
                 raise StreamOrderError(f"before_reduce({bucket}) called again before after_reduce({bucket})")
             round_ = self._reduced[bucket]
-            marked = self._ready.get((round_, bucket), set())
-            missing = [d for d in range(self._num_devices) if d not in marked]
-            if missing:
+            marked = self._ready.get((round_, bucket))
+            # Marks are distinct valid devices, so a full count is every device: who is missing is worked out
+            # only for the error, not per bucket.
+            if marked is None or len(marked) < self._num_devices:
+                missing = [d for d in range(self._num_devices) if marked is None or d not in marked]
                 raise StreamOrderError(
                     f"bucket {bucket} is being reduced in round {round_} before devices {missing} marked it "
                     "ready: the collective would read gradients still being written"
@@ -133,8 +139,8 @@ class HostStreamSync:
             self._check_open()
             self._check_device(device)
             round_ = self._applied[device]
-            pending = [b for b, reduced in enumerate(self._reduced) if reduced <= round_]
-            if pending:
+            if min(self._reduced) <= round_:
+                pending = [b for b, reduced in enumerate(self._reduced) if reduced <= round_]
                 raise StreamOrderError(
                     f"device {device} applies round {round_} before buckets {pending} were reduced: "
                     "before_apply follows StepSynced, which follows every bucket's after_reduce"

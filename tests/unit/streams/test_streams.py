@@ -559,8 +559,18 @@ class StepOps:
     forwards: list[Op]
 
 
-def fake_step(fake: FakeCuda, sync: CudaStreamSync, buckets: int, broadcast: bool = True, rebuild: int | None = None) -> StepOps:
-    """One step as gsync wires it, each role in its own thread, in the host order messages enforce."""
+def fake_step(
+    fake: FakeCuda,
+    sync: CudaStreamSync,
+    buckets: int,
+    broadcast: bool = True,
+    rebuild: int | None = None,
+    reduce_order: list[int] | None = None,
+) -> StepOps:
+    """One step as gsync wires it, each role in its own thread, in the host order messages enforce.
+
+    ``reduce_order``: the buckets' reductions in another order than gsync's (which is bucket order), as the
+    contract allows."""
     devices = sync.num_devices
 
     def backward(device: int) -> tuple[Op, list[Op], Op]:
@@ -575,11 +585,11 @@ def fake_step(fake: FakeCuda, sync: CudaStreamSync, buckets: int, broadcast: boo
     produced = [in_thread(lambda d=d: backward(d)) for d in range(devices)]  # type: ignore[misc]
 
     def communicate() -> tuple[list[list[Op]], list[Op]]:
-        reduces = []
-        for bucket in range(buckets):
+        reduces: list[list[Op]] = [[] for _ in range(buckets)]
+        for bucket in reduce_order or range(buckets):
             sync.before_reduce(bucket)
             with sync.comm_streams():
-                reduces.append([fake.launch(f"reduce {bucket}", d) for d in range(devices)])
+                reduces[bucket] = [fake.launch(f"reduce {bucket}", d) for d in range(devices)]
             sync.after_reduce(bucket)
         broadcasts: list[Op] = []
         if broadcast:
@@ -646,6 +656,40 @@ def test_cuda_events_are_allocated_once_not_per_step(fake_cuda: FakeCuda) -> Non
     for _ in range(3):
         fake_step(fake_cuda, sync, 2)
     assert {id(event) for event in fake_cuda.recorded} == events
+    sync.close()
+
+
+@pytest.mark.parametrize("check_order", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_cuda_done_events_are_recorded_once_per_round_and_still_order_every_reduction(
+    fake_cuda: FakeCuda, check_order: bool, devices: int
+) -> None:
+    """The done event a device's optimizer waits on is recorded after the round's last reduction only (one record
+    per round, not one per bucket), whatever order the buckets are reduced in: every reduction and broadcast of a
+    round stays ordered before each device's optimizer step and its next forward."""
+    names = [f"cuda:{d}" for d in range(devices)]
+    sync = CudaStreamSync(names, 5, check_order=check_order)
+    done = list(sync._done)  # white box: what before_apply waits on
+    shuffled = random.Random(3)
+    steps = []
+    for step in range(4):
+        order = list(range(5))
+        if step:
+            shuffled.shuffle(order)
+        steps.append(fake_step(fake_cuda, sync, 5, broadcast=step % 2 == 1, reduce_order=order))
+        # One record for the reductions, one more after a broadcast.
+        assert [event.records for event in done] == [sum(1 + s % 2 for s in range(step + 1))] * devices
+    for ops in steps:
+        for device in range(devices):
+            for bucket in range(5):
+                assert ops.reduces[bucket][device].before(ops.applies[device])
+            for broadcast in ops.broadcasts[device : device + 1]:
+                assert broadcast.before(ops.applies[device])
+    for earlier, later in itertools.pairwise(steps):
+        for device in range(devices):
+            for bucket in range(5):
+                assert earlier.reduces[bucket][device].before(later.forwards[device])
+                assert not later.reduces[bucket][device].before(earlier.applies[device])
     sync.close()
 
 
@@ -774,6 +818,8 @@ def test_cuda_skip_step_and_rebuild(fake_cuda: FakeCuda) -> None:
 
 def test_cuda_order_is_checked(fake_cuda: FakeCuda) -> None:
     sync = CudaStreamSync(["cuda:0", "cuda:1"], 1)
+    with pytest.raises(StreamOrderError, match=r"devices \[0, 1\]"):
+        sync.before_reduce(0)  # no device has marked it at all
     sync.mark_ready(0, 0)
     with pytest.raises(StreamOrderError, match=r"devices \[1\]"):
         sync.before_reduce(0)
