@@ -188,9 +188,9 @@ class Engine:
         CPU devices each have a thread and split its cores (``torch.get_num_threads()`` as the engine is built):
         an equal share per device, the cores left over (at least one) for the reduction. ``None``: each thread
         runs with the count of the thread that opens the session."""
-        self.devices_in_turn = plan.devices_in_turn
-        """How many of this process's devices may run one after another within a step, each given
-        ``sync_timeout``: CPU devices always may (on a shared thread, or in the first step's turns)."""
+        # How many of this process's devices may run one after another within a step, each given sync_timeout:
+        # CPU devices always may (on a shared thread, or in the first step's turns).
+        self._devices_in_turn = plan.devices_in_turn
         if check_replicas_every is not None and len(self.devices) < 2:
             raise ConfigError(
                 "check_replicas_every compares the replicas of this process, and it has only one device; "
@@ -199,13 +199,14 @@ class Engine:
         self.trace_file = trace_setting(trace)
         """The file each fit or session writes its trace to (absolute; see ``trace``), or ``None``."""
         self.trace = trace
-        self.site_hooks: list[SiteHook] = []
-        """Called as ``hook(device_index, step, site, abort)`` in the worker thread as each site starts, in
-        every session opened afterwards; :func:`gsync.testing.inject` arms its faults here."""
+        # Called as hook(device_index, step, site, abort) in the worker thread as each site starts, by every
+        # session of this engine, the open one included: a session reads this list itself, not a copy taken as it
+        # opened, so a fault gsync.testing.inject arms while a session is open applies from its next site.
+        self._site_hooks: list[SiteHook] = []
         self._slot = SessionSlot()
 
     def _settings(self) -> EngineSettings:
-        """What a session opened now receives of this engine (the hooks armed on it so far included)."""
+        """What a session opened now receives of this engine (with the engine's live list of site hooks)."""
         return EngineSettings(
             devices=tuple(self.devices),
             bucket_cap_mb=self.bucket_cap_mb,
@@ -216,14 +217,14 @@ class Engine:
             compression=self.compression,
             device_threads=self.device_threads,
             intra_op_threads=self.intra_op_threads,
-            devices_in_turn=self.devices_in_turn,
+            devices_in_turn=self._devices_in_turn,
             distributed=self.distributed,
             process_group=self.process_group,
             store=self.store,
             elastic=self.elastic,
             trace=self.trace,
             trace_file=self.trace_file,
-            site_hooks=tuple(self.site_hooks),
+            site_hooks=self._site_hooks,
         )
 
     def __repr__(self) -> str:

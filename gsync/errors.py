@@ -1,7 +1,9 @@
 """Every exception gsync raises on purpose.
 
-Each one says what went wrong and where (device, step, bucket), and the ones
-raised from ``fit`` keep the original exception as ``__cause__``.
+Each one says what went wrong and where (device, step, bucket). The ones that
+wrap an exception (your code's, your data's, a collective's: WorkerFailed,
+DataFailed, SyncFailed) keep it as ``__cause__`` and end their message with
+its type and message, so ``str(error)`` in a log says what went wrong.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = (
     "GsyncError",
@@ -57,9 +59,36 @@ class GsyncError(Exception):
 
     last_step: int | None = None
     checkpoint: Any = None
+    _tells_its_cause: ClassVar[bool] = False
+    """Whether ``str()`` ends with ``__cause__``'s type and message: the errors that wrap what your code (or a
+    collective, or your data) raised, so a log line of ``str(error)`` alone says what went wrong."""
+
+    def __str__(self) -> str:
+        message = super().__str__()
+        if self._tells_its_cause:
+            # A cause does not cross a pickle (``__cause__`` is not pickled); its description does (see __reduce__).
+            told = _describe(self.__cause__) if self.__cause__ is not None else self.__dict__.get("_cause_told")
+            if told:
+                message = f"{message}: {told}"
+        trace_file = self.__dict__.get("_trace_file")
+        # Last, as Engine(trace=...) says: the message ends with the file.
+        return f"{message} (trace: {trace_file})" if trace_file else message
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_restore, (type(self), self.args, self.__dict__))
+        state = self.__dict__
+        if self._tells_its_cause and self.__cause__ is not None:
+            state = {**state, "_cause_told": _describe(self.__cause__)}
+        return (_restore, (type(self), self.args, state))
+
+    def _name_trace_file(self, path: object) -> None:
+        """End the message with the trace file of the run this error ended (``Engine(trace=path)``)."""
+        self.__dict__["_trace_file"] = str(path)
+
+
+def _describe(cause: BaseException) -> str:
+    """``ValueError: bad shard``, as a traceback's last line says it."""
+    message = str(cause)
+    return f"{type(cause).__name__}: {message}" if message else type(cause).__name__
 
 
 class ConfigError(GsyncError, ValueError):
@@ -98,16 +127,39 @@ class WorkerFailed(FitError):
 
     ``site`` is the phase that raised: ``data`` (moving the shard to the
     device), ``forward`` (the model and ``loss_fn``), ``backward`` or
-    ``optimizer``. ``others`` lists the failures of further devices that failed
-    before their peers were cancelled, earliest first.
+    ``optimizer``; in ``forward`` and ``backward``, ``shard_rows`` and
+    ``batch_rows`` say how many rows of how many the device had. ``str()``
+    ends with the cause's type and message. ``others`` lists the failures of
+    further devices that failed before their peers were cancelled, earliest first.
     """
 
-    def __init__(self, device: str, device_index: int, step: int, site: str) -> None:
-        super().__init__(f"worker on device {device} (index {device_index}) failed at step {step} during {site}")
+    _tells_its_cause = True
+
+    shard_rows: int | None = None  # class defaults: an instance pickled before they existed has neither
+    batch_rows: int | None = None
+
+    def __init__(
+        self,
+        device: str,
+        device_index: int,
+        step: int,
+        site: str,
+        shard_rows: int | None = None,
+        batch_rows: int | None = None,
+    ) -> None:
+        message = f"worker on device {device} (index {device_index}) failed at step {step} during {site}"
+        if shard_rows is not None and batch_rows is not None:
+            # What this device was given is often the answer (a BatchNorm's shard of one row): say it.
+            message += f" (its shard: {shard_rows} of the batch's {batch_rows} rows)"
+        super().__init__(message)
         self.device = device
         self.device_index = device_index
         self.step = step
         self.site = site
+        self.shard_rows = shard_rows
+        """The rows of this device's shard of the batch it failed on, in ``forward`` and ``backward``."""
+        self.batch_rows = batch_rows
+        """That batch's rows over every device (of every process)."""
 
 
 # Sites of the session's calls that run between steps, whose errors name the last step applied.
@@ -131,6 +183,8 @@ class SyncFailed(FitError):
     ``"session start"`` for the collectives a session across processes runs
     before its first step.
     """
+
+    _tells_its_cause = True
 
     site: str = "buffer broadcast"  # the class default: an instance pickled before sites existed has none
 
@@ -342,6 +396,8 @@ class DataFailed(FitError):
     in :meth:`Session.evaluate` (``site="evaluate"``) while reading its
     ``batch``-th batch (from 0) after ``step``, the last step applied.
     """
+
+    _tells_its_cause = True
 
     site: str = "reading data"  # class defaults: an instance pickled before they existed has neither
     batch: int | None = None

@@ -59,22 +59,22 @@ class Fault:
     """``time.monotonic()`` when the fault fired."""
     _claim_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
-    def matches(self, device: int, step: int, site: str) -> bool:
+    def _matches(self, device: int, step: int, site: str) -> bool:
         if self.reached.is_set() or step != self.step or site != self.site:
             return False
         return site == "all_reduce" or self.device is None or self.device == device
 
-    def claim(self, device: int, step: int, site: str) -> bool:
+    def _claim(self, device: int, step: int, site: str) -> bool:
         """Whether this fault fires here; at most once, though devices' threads reach their sites together."""
         with self._claim_lock:
-            if not self.matches(device, step, site):
+            if not self._matches(device, step, site):
                 return False
             self.fired_at = time.monotonic()
             self.reached.set()
             return True
 
-    def fire(self, abort: threading.Event) -> None:
-        """Raise or stall, as the fault says (once :meth:`claim` said it fires)."""
+    def _fire(self, abort: threading.Event) -> None:
+        """Raise or stall, as the fault says (once :meth:`_claim` said it fires)."""
         if not self.stall:
             raise self.error or InjectedFault(f"injected fault at device {self.device}, step {self.step}, {self.site}")
         if not self.interruptible:
@@ -128,15 +128,35 @@ class _Injector:
 
     def __call__(self, device: int, step: int, site: str, abort: threading.Event) -> None:
         for fault in self.faults:
-            if fault.claim(device, step, site):
-                fault.fire(abort)
+            if fault._claim(device, step, site):
+                fault._fire(abort)
+
+
+def _check_not_past(engine: Engine, fault: Fault) -> None:
+    service = engine._slot.service
+    # The slot keeps the last session after it closed: only an open one has steps behind it that a fault misses.
+    core = service.core if service is not None and not service.done.is_set() else None
+    if service is None or core is None:
+        return
+    # An evaluate's step is the last step trained: the session is at next_step - 1 until its next step.
+    reached = core.next_step - 1 if fault.site == "evaluate" else core.next_step
+    if fault.step < reached:
+        raise ValueError(
+            f"the fault is for step {fault.step}, and the session open on this engine (opened at "
+            f"{service.opened_at}) is past it, at step {reached}{' (its last step)' if fault.site == 'evaluate' else ''}: "
+            f"it could never fire; arm it for step {reached} or later (steps count from the session's start)"
+        )
 
 
 @contextmanager
 def inject(engine: Engine, *faults: Fault) -> Iterator[Sequence[Fault]]:
-    """Arm ``faults`` for every ``fit`` or session of ``engine`` started inside the block.
+    """Arm ``faults`` on ``engine`` while the block runs: for its fits and sessions, the one open already included.
 
-    :raises ValueError: for a fault on a device the engine does not have (it could never fire).
+    A session opened earlier (by a fixture, in an earlier notebook cell)
+    meets the faults from its next step on.
+
+    :raises ValueError: for a fault that could never fire: on a device the engine does not have, or for a step
+        that the session open on ``engine`` has already run.
     """
     for fault in faults:
         if fault.device is not None and fault.site != "all_reduce" and fault.device >= len(engine.devices):
@@ -145,9 +165,11 @@ def inject(engine: Engine, *faults: Fault) -> Iterator[Sequence[Fault]]:
                 f"the fault is for device {fault.device}, and this engine has {len(engine.devices)} ({names}): "
                 "it could never fire; devices are indexed from 0 in the engine's order (this process's)"
             )
+        _check_not_past(engine, fault)
     injector = _Injector(faults)
-    engine.site_hooks.append(injector)
+    hooks = engine._site_hooks
+    hooks.append(injector)
     try:
         yield faults
     finally:
-        engine.site_hooks.remove(injector)
+        hooks.remove(injector)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -39,5 +40,6 @@ class EngineSettings:
     elastic: Elastic | None
     trace: bool | Trace | str | os.PathLike[str]
     trace_file: Path | None
-    site_hooks: tuple[SiteHook, ...]
-    """The hooks armed on the engine when the session opened (:func:`gsync.testing.inject`)."""
+    site_hooks: Sequence[SiteHook]
+    """The engine's own list of site hooks, not a copy: a hook armed while a session is open
+    (:func:`gsync.testing.inject`) applies to it from its next site."""

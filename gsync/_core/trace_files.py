@@ -99,11 +99,9 @@ async def finish_trace(
 
 
 def _name_file(error: BaseException, path: Path) -> None:
-    """End a gsync error's message with the trace file (in ``args``, so ``str`` and pickling keep it)."""
-    suffix = f" (trace: {path})"
-    if isinstance(error, GsyncError) and len(error.args) == 1 and isinstance(error.args[0], str):
-        if not error.args[0].endswith(suffix):
-            error.args = (error.args[0] + suffix,)
+    """End a gsync error's message with the trace file (pickling keeps it)."""
+    if isinstance(error, GsyncError):
+        error._name_trace_file(path)
     elif not is_cancellation(error):
         # Not gsync's to reword (your own exception propagates unchanged): a note shows in the traceback.
         error.add_note(f"gsync trace: {path}")

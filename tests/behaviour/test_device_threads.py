@@ -140,7 +140,7 @@ async def test_devices_taking_turns_each_get_the_whole_timeout() -> None:
             time.sleep(0.4)  # the device's own work, not a wait for anything
 
     engine = gsync.Engine(DEVICES, sync_timeout=1.0, device_threads="shared")
-    engine.site_hooks.append(take_time)
+    engine._site_hooks.append(take_time)
     result = await engine.fit(TiedNet(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss)
     assert len(result.losses) == 3
     assert sorted(slow) == sorted((device, site) for device in range(3) for site in ("forward", "optimizer"))

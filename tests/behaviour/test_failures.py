@@ -446,7 +446,7 @@ async def test_a_fault_for_any_device_fires_once_though_devices_reach_it_togethe
 
         def reach(device: int, fault: gsync.testing.Fault = fault, start: threading.Barrier = start) -> None:
             start.wait()
-            claims.append(fault.claim(device, 0, "forward"))
+            claims.append(fault._claim(device, 0, "forward"))
 
         threads = [threading.Thread(target=reach, args=(device,)) for device in range(8)]
         for thread in threads:
@@ -508,3 +508,113 @@ async def test_every_gsync_error_pickles_with_its_attributes() -> None:
         assert restored.__dict__.keys() == error.__dict__.keys()
         assert restored.last_step == 1 and restored.__notes__ == ["a note"]
     assert pickle.loads(pickle.dumps(errors[5])).lost == errors[5].lost
+
+
+async def test_a_fault_armed_while_a_session_is_open_fires_at_its_next_step(no_leaks: None) -> None:
+    # The shape docs/testing.md recommends: a fixture opened the session before the test armed its fault.
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    batches = make_batches(3, 8)
+    session = await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+    try:
+        await session.step(batches[0])
+        with gsync.testing.inject(engine, gsync.testing.fail(device=1, step=1, site="backward")):
+            with pytest.raises(gsync.WorkerFailed) as caught:
+                await session.step(batches[1])
+    finally:
+        await session.aclose()
+    assert (caught.value.device_index, caught.value.step, caught.value.site) == (1, 1, "backward")
+    assert caught.value.last_step == 0
+
+
+async def test_a_stall_armed_while_a_session_is_open_stalls_it(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=0.3)
+    fault = gsync.testing.stall(device=0, step=0, site="forward")
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        with gsync.testing.inject(engine, fault), pytest.raises(gsync.SyncTimeout) as caught:
+            await session.step(make_batches(1, 8)[0])
+    assert fault.reached.is_set() and caught.value.stalled_devices == ("cpu:0",)
+
+
+async def test_a_fault_disarmed_while_a_session_is_open_no_longer_fires(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    fault = gsync.testing.fail(device=0, step=0, site="forward")
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        with gsync.testing.inject(engine, fault):
+            pass
+        assert (await session.step(make_batches(1, 8)[0])).step == 0
+    assert not fault.reached.is_set()
+
+
+async def test_a_fault_for_a_step_the_open_session_has_run_is_refused_naming_the_session(no_leaks: None) -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        for batch in make_batches(2, 8):
+            await session.step(batch)
+        with pytest.raises(ValueError, match=r"fault is for step 1, .*opened at .*test_failures\.py:\d+\) is past it, at step 2"):
+            with gsync.testing.inject(engine, gsync.testing.fail(device=0, step=1, site="forward")):
+                pass
+        # An evaluate's step is the last step trained, which the session is still at.
+        with gsync.testing.inject(engine, gsync.testing.fail(device=0, step=1, site="evaluate")):
+            with pytest.raises(gsync.WorkerFailed):
+                await session.evaluate(make_batches(1, 8))
+
+
+async def test_a_worker_failure_says_its_cause_in_its_message(no_leaks: None) -> None:
+    # Services log str(error): a model that returns a tuple must be named there, not only in __cause__.
+    class TwoOutputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(12, 5)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.linear(x), x
+
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(TwoOutputs(), **fit_args())
+    cause = caught.value.__cause__
+    assert isinstance(cause, TypeError)
+    assert str(caught.value).endswith(f"during forward (its shard: 6 of the batch's 12 rows): TypeError: {cause}")
+
+
+async def test_data_and_sync_failures_say_their_cause_and_keep_it_across_a_pickle() -> None:
+    import pickle
+
+    def broken() -> Any:
+        yield from make_batches(1, 8)
+        raise OSError("disk gone")
+
+    with pytest.raises(gsync.DataFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(TiedNet(), broken(), optimizer=sgd, loss_fn=classification_loss)
+    assert str(caught.value) == "reading the batch of step 1 from data failed: OSError: disk gone"
+    assert str(pickle.loads(pickle.dumps(caught.value))) == str(caught.value)
+
+    failed = gsync.SyncFailed(3, 0)
+    failed.__cause__ = RuntimeError("Connection closed by peer")
+    assert str(failed) == "all-reduce of bucket 0 failed at step 3: RuntimeError: Connection closed by peer"
+    # Not wrapping anything: the message alone, as before.
+    assert str(gsync.NonFiniteLoss("cpu:0", 0, 5, float("inf"))).startswith("loss on device cpu:0 at step 5 is inf;")
+
+
+async def test_a_batchnorm_shard_too_small_names_the_devices_rows(no_leaks: None) -> None:
+    # 3 rows over 2 devices: cpu:1's shard has 1 row, which training-mode BatchNorm cannot normalize.
+    with pytest.raises(gsync.WorkerFailed) as caught:
+        await gsync.Engine(["cpu:0", "cpu:1"]).fit(
+            Normed(), make_batches(2, 3), optimizer=sgd, loss_fn=classification_loss
+        )
+    error = caught.value
+    assert (error.device, error.site, error.shard_rows, error.batch_rows) == ("cpu:1", "forward", 1, 3)
+    assert "cpu:1 (index 1) failed at step 0 during forward (its shard: 1 of the batch's 3 rows): ValueError: " in str(error)
+    assert "Expected more than 1 value per channel" in str(error)
+
+
+async def test_the_failures_page_prints_what_the_code_prints(no_leaks: None) -> None:
+    from tests.support.paths import ROOT
+
+    page = (ROOT / "docs" / "failures.md").read_text(encoding="utf-8")
+    # The printed line the page shows, the comment under its `print(error)`.
+    shown = page.split("print(error)\n", 1)[1].splitlines()[0].strip().removeprefix("# ")
+    engine = gsync.Engine(["cpu:0", "cpu:1"])
+    with gsync.testing.inject(engine, gsync.testing.fail(1, 5, "backward", error=ValueError("a NaN in layer 3"))):
+        with pytest.raises(gsync.WorkerFailed) as caught:
+            await engine.fit(TiedNet(), make_batches(8, 32), optimizer=sgd, loss_fn=classification_loss)
+    assert str(caught.value) == shown

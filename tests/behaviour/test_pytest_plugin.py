@@ -152,7 +152,7 @@ def test_fault_fixture_makes_training_raise_worker_failed_for_the_step(user_proj
 
         @pytest.mark.asyncio
         async def test_faults_are_disarmed_after_the_test_that_armed_them(gsync_engine):
-            assert gsync_engine.site_hooks == []
+            assert gsync_engine._site_hooks == []
         '''
     )
     result = run(user_project)

@@ -135,8 +135,11 @@ async def test_a_failed_fit_writes_its_trace_with_the_failure_on_the_device_that
     with gsync.testing.inject(engine, fault), pytest.raises(gsync.WorkerFailed) as caught:
         await engine.fit(Deep(depth=4), make_batches(4, 16), optimizer=sgd, loss_fn=classification_loss)
     error = caught.value
-    assert str(error).endswith(f" (trace: {path})")
-    assert str(error).startswith("worker on device cpu:1 (index 1) failed at step 2 during backward")
+    # The cause is said before the trace file, which ends the message.
+    assert str(error) == (
+        "worker on device cpu:1 (index 1) failed at step 2 during backward (its shard: 8 of the batch's 16 rows): "
+        f"InjectedFault: injected fault at device 1, step 2, backward (trace: {path})"
+    )
     assert (error.device, error.device_index, error.step, error.site) == ("cpu:1", 1, 2, "backward")
     assert error.last_step == 1 and error.checkpoint is not None
     assert isinstance(error.__cause__, gsync.testing.InjectedFault)
@@ -224,7 +227,11 @@ async def test_a_trace_file_that_cannot_be_written_is_a_warning_never_the_error(
         fault = gsync.testing.fail(device=0, step=1, site="forward")
         with gsync.testing.inject(engine, fault), pytest.raises(gsync.WorkerFailed) as caught:
             await engine.fit(Deep(depth=4), make_batches(3, 16), optimizer=sgd, loss_fn=classification_loss)
-    assert str(caught.value) == "worker on device cpu:0 (index 0) failed at step 1 during forward"
+    # No trace file named: none was written.
+    assert str(caught.value) == (
+        "worker on device cpu:0 (index 0) failed at step 1 during forward (its shard: 8 of the batch's 16 rows): "
+        "InjectedFault: injected fault at device 0, step 1, forward"
+    )
     assert sum("could not write the trace file" in r.getMessage() for r in caplog.records) == 2
     assert gsync_threads() == []
 

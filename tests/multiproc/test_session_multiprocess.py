@@ -147,7 +147,7 @@ def failure_while_rank_0_waits_between_steps(slow_first_update: bool = False) ->
             abort.wait(3.0)
 
     if slow_first_update and rank == 0:
-        engine.site_hooks.append(slow_optimizer)
+        engine._site_hooks.append(slow_optimizer)
 
     async def main() -> None:
         with gsync.testing.inject(engine, *faults):

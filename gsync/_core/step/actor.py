@@ -186,6 +186,7 @@ class DeviceActor:
                 # buckets as unused (zeros), weighted by what it did see.
                 continue
             last = position == batches - 1
+            jobs.shard_rows = (rows, total)
             # The device's gradient is the weighted mean over the step's
             # batches; the reduction weights it by ``weight`` as a whole.
             capture.start_batch(last, 1.0 if batches == 1 else rows / total / batches / weight)

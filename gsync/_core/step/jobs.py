@@ -43,6 +43,9 @@ class DeviceJobs:
         """Waiting for the step's gradient sync, or for its turn on a shared thread (read by the heartbeat, from its
         thread)."""
         self.failure: GsyncError | None = None
+        self.shard_rows: tuple[int, int] | None = None
+        """The rows of the shard in forward and backward now, and of its batch over every device: a failure
+        there names them (what a device was given is often why its code failed: a BatchNorm's shard of one row)."""
 
     def where(self) -> str:
         """Where this device was last seen, e.g. ``"step 2, backward"`` (for timeout reports)."""
@@ -67,7 +70,8 @@ class DeviceJobs:
         # A fault a hook injects (a raise, a stall) happens inside the phase's span, as a real one would.
         with context.trace.span(site, self.step, self.index) if context.trace is not None else nullcontext():
             if context.site_hooks:
-                for hook in context.site_hooks:
+                # The engine's list, which the loop's thread may change meanwhile (a fault armed or disarmed).
+                for hook in tuple(context.site_hooks):
                     hook(self.index, self.step, site, context.abort)
                 # A hook may have blocked while the session ended: do not start the phase then.
                 if context.abort.is_set():
@@ -90,7 +94,8 @@ class DeviceJobs:
             self._context.abort.set()
             raise
         except Exception as error:
-            failure = WorkerFailed(self.name, self.index, self.step, self.site)
+            rows = self.shard_rows if self.site in ("forward", "backward") else None
+            failure = WorkerFailed(self.name, self.index, self.step, self.site, *(rows or (None, None)))
             failure.__cause__ = error
             self.failure = failure
             self._context.abort.set()

@@ -290,7 +290,7 @@ class SyncServer:
         if self._abort.is_set():
             # The session is ending: queued reductions would only delay teardown.
             raise FitAborted
-        for hook in self._site_hooks:
+        for hook in tuple(self._site_hooks):  # the engine's list, which the loop's thread may change meanwhile
             hook(-1, step, "all_reduce", self._abort)
         streams = self._context.streams
         streams.before_reduce(bucket)

@@ -92,7 +92,9 @@ async def test_the_notebook_runs_in_a_real_kernel(tmp_path: Path) -> None:
     assert "WorkerFailed on cpu:1 at step 5, during backward: InjectedFault(" in printed, printed
     assert "last consistent step: 4" in printed, printed
     saved = tmp_path / "gsync-trace.json"
-    assert f"failed at step 5 during backward (trace: {saved})" in printed, printed  # Engine(trace=path) wrote it
+    # Engine(trace=path) wrote it; the message says the cause before naming the file.
+    assert "failed at step 5 during backward (its shard: 64 of the batch's 128 rows): InjectedFault: " in printed, printed
+    assert f"(trace: {saved})" in printed, printed
     assert "resumed at step 5, trained 27 more steps" in text_of(resume, "stdout")
 
     # The held session: steps, a plot (or its figures), session.fit going on from step 8, a sample, the close.
