@@ -64,7 +64,16 @@ def _emit_line(message: str, *args: object) -> None:
 
 
 class Progress:
-    def __init__(self, total_steps: int | None, first_step: int) -> None:
+    """One ``fit`` call's display: the bar counts this call's steps against this call's total, and names the
+    global step in its figures.
+
+    ``total_steps``: the steps of the call's epochs (``None`` where ``data`` has no length); ``first_step``: the
+    global index of the call's first step; ``replayed``: the steps of those epochs a resumed run already
+    trained (its checkpoint's), which the bar starts at, as the run's own progress. A ``session.fit`` after
+    earlier steps replays nothing, so its bar starts at 0 whatever the global step.
+    """
+
+    def __init__(self, total_steps: int | None, first_step: int, replayed: int = 0) -> None:
         self._bar: Any = None
         self._last_log = time.monotonic()
         self._first_step = first_step
@@ -72,13 +81,13 @@ class Progress:
         self._last_line: tuple[int, int, float, float, float] | None = None
         tqdm = _tqdm_class()
         if tqdm is not None:
-            self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(total=total_steps, initial=replayed, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, epoch: int, loss: float, lr: float, rows: int, seconds: float) -> None:
         samples = rows / seconds if seconds > 0 else float("nan")
         bar = self._bar
         if bar is not None:
-            self._unshown = {"epoch": epoch, "loss": loss, "lr": lr, "samples": samples}
+            self._unshown = {"step": step, "epoch": epoch, "loss": loss, "lr": lr, "samples": samples}
             # Formatted only when this update may redraw the bar (tqdm redraws at most every ``mininterval``
             # seconds, by its own clock): most steps' figures would never be seen.
             if not bar.disable and time.time() - bar.last_print_t >= bar.mininterval:
@@ -101,10 +110,12 @@ class Progress:
         if values is None:
             return
         self._unshown = None
-        self._bar.set_postfix(
-            epoch=values["epoch"], loss=f"{values['loss']:.4g}", lr=f"{values['lr']:.3g}",
-            samples_s=f"{values['samples']:.0f}", refresh=False,
-        )
+        # In this order (keyword figures tqdm would sort): the global step first, as a plain loop prints it.
+        figures = {
+            "step": values["step"], "epoch": values["epoch"], "loss": f"{values['loss']:.4g}",
+            "lr": f"{values['lr']:.3g}", "samples_s": f"{values['samples']:.0f}",
+        }
+        self._bar.set_postfix(figures, refresh=False)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -71,3 +71,41 @@ async def test_fit_progress_bar_disabled_by_tqdms_environment_still_trains(
     assert result.losses == pytest.approx(expected_losses, abs=2e-5)
     assert_same_state(result.model, expected)
     assert capsys.readouterr().err == ""  # the disabled bar drew nothing, and nothing fell back to lines
+
+
+def bar_lines(err: str) -> list[str]:
+    """The bar's states as tqdm drew them (each redraw starts with a carriage return)."""
+    return [line for line in err.replace("\n", "\r").split("\r") if "step" in line]
+
+
+async def test_a_session_fits_bar_counts_its_own_steps_after_earlier_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    batches = make_batches(6, 8)
+    async with gsync.Engine(TWO).session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        for batch in batches[:2]:
+            await session.step(batch)
+        capsys.readouterr()
+        first = await session.fit(batches, progress=True)
+        first_bar = bar_lines(capsys.readouterr().err)
+        second = await session.fit(batches, progress=True)
+        second_bar = bar_lines(capsys.readouterr().err)
+    assert (first.first_step, second.first_step) == (2, 8)
+    # The call's progress against the call's total, from 0; the global step among the figures.
+    for bar, last_step in ((first_bar, 7), (second_bar, 13)):
+        assert bar[0].startswith("  0%") and "0/6" in bar[0], bar
+        assert bar[-1].startswith("100%") and "6/6" in bar[-1] and f"step={last_step}," in bar[-1], bar
+
+
+async def test_a_resumed_fits_bar_starts_where_its_checkpoint_is(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tqdm")
+    engine = gsync.Engine(TWO)
+    batches = make_batches(6, 8)
+    with gsync.testing.inject(engine, gsync.testing.fail(0, 3, "forward")), pytest.raises(gsync.WorkerFailed) as caught:
+        await engine.fit(TiedNet(), batches, optimizer=sgd, loss_fn=classification_loss, progress=False)
+    capsys.readouterr()
+    await engine.fit(
+        TiedNet(), batches, optimizer=sgd, loss_fn=classification_loss, resume=caught.value.checkpoint, progress=True
+    )
+    bar = bar_lines(capsys.readouterr().err)
+    # Replaying the data skips steps 0..2, which the checkpoint holds: the run is half done as it resumes.
+    assert "3/6" in bar[0] and bar[-1].startswith("100%") and "6/6" in bar[-1], bar
