@@ -147,6 +147,28 @@ async def test_data_that_is_a_tensor_a_dict_or_not_iterable() -> None:
     await refuse(gsync.InputTypeError, "data is a dict", data={"x": torch.zeros(4, 12), "y": torch.zeros(4, dtype=torch.long)})
 
 
+async def test_one_batch_given_as_data_is_refused_before_any_work_with_what_to_pass() -> None:
+    x, y = torch.randn(32, 12), torch.randint(0, 5, (32,))
+    for one_batch in ((x, y), [x, y]):
+        error = await refuse(gsync.InputTypeError, r"tensors of 32 rows each .*: one batch, not an iterable of batches", data=one_batch)
+        assert "pass [batch] for one step, or a DataLoader" in str(error)
+    # Refused by session.fit too, leaving the session open.
+    async with gsync.Engine(["cpu:0", "cpu:1"]).session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+        with pytest.raises(gsync.InputTypeError, match="one batch"):
+            await session.fit((x, y))
+        assert (await session.fit([(x, y)])).first_step == 0
+
+
+async def test_a_list_of_tensor_batches_is_not_taken_for_one_batch() -> None:
+    # Each tensor a batch of its own (a loss_fn that takes a tensor): one shape throughout, and a shorter last one.
+    def reconstruction(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (model(batch) - batch).pow(2).mean()
+
+    for batches in (list(torch.randn(96, 12).split(32)), list(torch.randn(80, 12).split(32))):
+        result = await gsync.Engine(["cpu:0", "cpu:1"]).fit(nn.Linear(12, 12), batches, optimizer=sgd, loss_fn=reconstruction)
+        assert len(result.losses) == len(batches)
+
+
 async def test_one_shot_iterator_over_several_epochs() -> None:
     await refuse(gsync.ConfigError, "one-shot iterator", data=iter(BATCHES), epochs=2)
 

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...errors import ConfigError, InputTypeError
 from ..data.feeder import batches_per_epoch, check_batch_source
 from ..state.checkpointing import CheckpointSettings
@@ -41,6 +43,7 @@ class FitLoopSettings:
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ConfigError(f"epochs must be a positive int, got {epochs!r}")
         check_batch_source(data)
+        _check_not_one_batch(data)
         if isinstance(data, (Iterator, AsyncIterator)) and epochs > 1:
             raise ConfigError(
                 f"data is a one-shot iterator but epochs={epochs}: pass a re-iterable (a list or a DataLoader) "
@@ -81,3 +84,25 @@ def check_callbacks(callbacks: object) -> list[Any]:
                 "(each is called as hook(session, ...), sync or async)"
             )
     return checked
+
+
+def _check_not_one_batch(data: object) -> None:
+    """:raises ~gsync.InputTypeError: for ``(X, Y)`` given as ``data``: one batch, whose "batches" are its tensors.
+
+    Tensors of one row count but different shapes are the parts of one batch (features and labels); a list of
+    tensor batches has one shape throughout (but for a shorter last batch, whose rows differ), so it is let be.
+    """
+    if not isinstance(data, (tuple, list)) or len(data) < 2:
+        return
+    if not all(isinstance(part, torch.Tensor) and part.dim() > 0 for part in data):
+        return
+    rows = {part.shape[0] for part in data}
+    shapes = {tuple(part.shape) for part in data}
+    if len(rows) == 1 and len(shapes) > 1:
+        described = ", ".join(f"a tensor of shape {tuple(part.shape)}" for part in data)
+        raise InputTypeError(
+            f"data is a {type(data).__name__} of {len(data)} tensors of {rows.pop()} rows each ({described}): "
+            "one batch, not an iterable of batches (each of its tensors would be a batch of its own); "
+            "pass [batch] for one step, or a DataLoader over the tensors for batches of them, "
+            "e.g. DataLoader(TensorDataset(X, Y), batch_size=64)"
+        )
