@@ -92,7 +92,8 @@ async def run_fit(
     # earlier `session.step` is not.
     changes_before = sum(change.step < core.next_step for change in carry._membership_changes()) if carry is not None else 0
     total = _total_steps(data, epochs, accumulate)
-    display = Progress(total, core.next_step) if progress_wanted(settings.progress, core.rank) else None
+    replayed = core.next_step if resume is not None else 0  # a resumed run's bar starts where its checkpoint is
+    display = Progress(total, core.next_step, replayed) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display
     try:
         await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
