@@ -45,6 +45,14 @@ class StepRecord:
     seconds: float
     """Wall time of the step."""
     skipped: bool = False
+    grad_norm: float | None = None
+    """The reduced gradient's total norm before clipping, when ``clip_grad_norm`` is set."""
+    lrs: tuple[float, ...] = ()
+    """The learning rate of every parameter group, in the optimizer's order (``lr`` is the first's)."""
+
+    def __post_init__(self) -> None:
+        if not self.lrs:  # built with one learning rate only, as before lrs existed
+            object.__setattr__(self, "lrs", (self.lr,))
 
 
 @dataclass
@@ -63,7 +71,7 @@ class FitResult:
     trace: Trace | None = None
     """The timeline of the fit, when the engine was built with ``trace=True`` (or a ``Trace``, or a file path)."""
     history: list[StepRecord] = field(default_factory=list)
-    """One record per step this fit ran: step, epoch, loss, lr, rows, seconds."""
+    """One record per step this fit ran: step, epoch, loss, lr, rows, seconds, skipped, grad_norm, lrs."""
     membership: tuple[MembershipChange, ...] = ()
     """Every change of an elastic run's membership during this fit (``Engine(elastic=...)``), first first."""
 
@@ -77,7 +85,8 @@ class StepResult:
     loss: float
     """The global mean loss (over every device of every process; the mean over the batches when accumulating)."""
     lr: float
-    """The learning rate this step used (the first parameter group's, before the scheduler stepped)."""
+    """The learning rate this step used (the first parameter group's, before the scheduler stepped; ``lrs`` has
+    every group's)."""
     rows: int
     """Rows in the step's global batches, over every process."""
     seconds: float
@@ -88,3 +97,10 @@ class StepResult:
     """The update was left out: a loss was not finite (``on_nonfinite="skip"``) or the GradScaler found infs."""
     world_size: int = 1
     """The number of processes that took part in the step (an elastic run's changes with its membership)."""
+    lrs: tuple[float, ...] = ()
+    """The learning rate of every parameter group this step used, in the optimizer's order (a factory may give
+    its groups different rates: no weight decay for norms, a faster head)."""
+
+    def __post_init__(self) -> None:
+        if not self.lrs:  # built with one learning rate only, as before lrs existed
+            object.__setattr__(self, "lrs", (self.lr,))

@@ -152,6 +152,37 @@ async def test_clipping_clips_the_reduced_gradient_like_one_device(num_devices: 
     assert [r.grad_norm for r in results] == pytest.approx(norms, rel=1e-5)
 
 
+async def test_a_fits_history_has_the_gradient_norm_and_every_groups_learning_rate() -> None:
+    torch.manual_seed(0)
+    model = TiedNet()
+    steps = [[batch] for batch in make_batches(4, 31)]
+    _, _, _, norms = plain_loop(model, steps, clip=0.05)
+
+    def two_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        # The head learns 10x faster, as a factory that groups parameters gives it.
+        return torch.optim.SGD([{"params": params[:-2]}, {"params": params[-2:], "lr": 1.0}], lr=0.1)
+
+    def halve(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+
+    engine = gsync.Engine(DEVICES[2])
+    fitted = await engine.fit(
+        copy.deepcopy(model), [b for [b] in steps], optimizer=two_groups, loss_fn=classification_loss,
+        scheduler=halve, clip_grad_norm=0.05,
+    )
+    # Each step's rates before the scheduler stepped, every group's; lr stays the first group's.
+    assert [record.lrs for record in fitted.history] == [(0.1, 1.0), (0.1, 1.0), (0.05, 0.5), (0.05, 0.5)]  # halving is exact
+    assert [record.lr for record in fitted.history] == pytest.approx([0.1, 0.1, 0.05, 0.05])
+    _, results, _ = await session_loop(engine, model, steps, optimizer=two_groups, scheduler=halve, clip_grad_norm=0.05)
+    assert [r.lrs for r in results] == [record.lrs for record in fitted.history]
+    # The norm a StepResult has, a StepRecord has: the reduced gradient's before clipping. The first step's comes
+    # before any update, so the plain loop's (one group) is the same.
+    assert fitted.history[0].grad_norm == pytest.approx(norms[0], rel=1e-5)
+    assert [record.grad_norm for record in fitted.history] == [r.grad_norm for r in results]
+    # Built by hand with one rate, as before lrs existed: lrs holds it.
+    assert gsync.StepResult(step=0, loss=1.0, lr=0.1, rows=8, seconds=0.1).lrs == (0.1,)
+
+
 @pytest.mark.parametrize("num_devices", [1, 2, 3])
 async def test_accumulation_is_exact_and_moves_bytes_once_per_step(num_devices: int) -> None:
     torch.manual_seed(0)

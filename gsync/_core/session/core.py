@@ -249,6 +249,7 @@ class SessionCore(SessionOperations):
             grad_norm=applied.grad_norm,
             skipped=applied.skipped,
             world_size=self.world_size,
+            lrs=applied.lrs,
         )
 
     def _split(self, batches: Sequence[Any], step: int) -> tuple[list[Shard], int]:

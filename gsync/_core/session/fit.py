@@ -351,7 +351,10 @@ class _FitLoop:
 
     def _record(self, result: StepResult, epoch: int) -> None:
         self.history.append(
-            StepRecord(result.step, epoch, result.loss, result.lr, result.rows, result.seconds, result.skipped)
+            StepRecord(
+                result.step, epoch, result.loss, result.lr, result.rows, result.seconds, result.skipped,
+                result.grad_norm, result.lrs,
+            )
         )
         if self.progress is not None:
             self.progress.update(result.step, epoch, result.loss, result.lr, result.rows, result.seconds)

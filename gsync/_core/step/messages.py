@@ -150,10 +150,10 @@ class StepLoss(_Message, frozen=True):
 class StepApplied(_Message, frozen=True):
     """``device`` applied (or skipped) ``step``: its replica holds the state after it.
 
-    ``lr`` is the learning rate the step used (the first parameter group's),
-    ``grad_norm`` the reduced gradient's norm when clipping, and ``skipped``
-    whether the update was left out (a non-finite loss, or a GradScaler that
-    found infs).
+    ``lr`` is the learning rate the step used (the first parameter group's;
+    ``lrs`` every group's), ``grad_norm`` the reduced gradient's norm when
+    clipping, and ``skipped`` whether the update was left out (a non-finite
+    loss, or a GradScaler that found infs).
     """
 
     device: int
@@ -161,6 +161,7 @@ class StepApplied(_Message, frozen=True):
     lr: float
     grad_norm: float | None = None
     skipped: bool = False
+    lrs: tuple[float, ...] = ()
 
 
 class Close(_Message, frozen=True):

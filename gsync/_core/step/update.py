@@ -59,7 +59,7 @@ class ReplicaUpdate:
         # The step is left out, but the next step writes the buckets, which
         # must still wait for this step's reductions.
         self._context.streams.before_apply(self.index)
-        lr = self._learning_rate()
+        lrs = self._learning_rates()
         with self._enter("optimizer"):
             # The schedule follows the step count, as in a plain loop that skips a step; a checkpoint holds the
             # scheduler's state as of the parameters' step, as in apply.
@@ -68,12 +68,12 @@ class ReplicaUpdate:
             # Left out everywhere, so the replica is as consistent after it as before.
             self.applied_step = synced.step
             self.optimizer_dirty = False
-        return StepApplied(self.index, synced.step, lr, None, True), None
+        return StepApplied(self.index, synced.step, lrs[0], None, True, lrs), None
 
     def apply(self, synced: StepSynced) -> tuple[StepApplied, float | None]:
         """The optimizer step; and the replica's fingerprint when this step's replicas are compared."""
         self._context.streams.before_apply(self.index)
-        lr = self._learning_rate()
+        lrs = self._learning_rates()
         with self._enter("optimizer"):
             self._capture.hide_unused(synced.unused)
             self.optimizer_dirty = True
@@ -88,7 +88,7 @@ class ReplicaUpdate:
             # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = synced.step
             self.optimizer_dirty = False
-        applied = StepApplied(self.index, synced.step, lr, grad_norm, skipped)
+        applied = StepApplied(self.index, synced.step, lrs[0], grad_norm, skipped, lrs)
         every = self._context.check_replicas_every
         if every is not None and (synced.step + 1) % every == 0:
             with torch.no_grad():
@@ -145,8 +145,9 @@ class ReplicaUpdate:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._optimizer_stepped = True
 
-    def _learning_rate(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+    def _learning_rates(self) -> tuple[float, ...]:
+        """Every parameter group's, in the optimizer's order (a factory may set one per group: no decay, a head)."""
+        return tuple(float(group["lr"]) for group in self.optimizer.param_groups)
 
     def _step_scheduler(self) -> None:
         if self.scheduler is not None:

@@ -253,7 +253,7 @@ async def test_actor_posts_one_bucket_ready_per_bucket_then_its_loss_and_applies
         actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(device=0, step=0, lr=rig.lr, grad_norm=None, skipped=False)
+        assert applied == StepApplied(device=0, step=0, lr=rig.lr, grad_norm=None, skipped=False, lrs=(rig.lr,))
         for param, old, grad in zip(actor.params, before, grads):
             assert torch.equal(param.detach(), old.add(grad, alpha=-rig.lr))
         assert actor.applied_step == 0
@@ -294,7 +294,7 @@ async def test_actor_accumulates_several_batches_and_posts_each_bucket_once(rows
         actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(0, 0, rig.lr)
+        assert applied == StepApplied(0, 0, rig.lr, lrs=(rig.lr,))
         rig.shards.close()
         actor.mailbox.post(Close())
     # Only the last backward posts: nothing but ForwardDone and one BucketReady per bucket went out.
@@ -336,7 +336,7 @@ async def test_actor_updates_a_parameter_that_got_a_gradient_only_in_an_earlier_
         before = [p.detach().clone() for p in actor.params]
         actor.mailbox.post(StepSynced(0, (), False))
         with anyio.fail_after(WAIT_S):
-            assert await rig.session.receive() == StepApplied(0, 0, rig.lr)
+            assert await rig.session.receive() == StepApplied(0, 0, rig.lr, lrs=(rig.lr,))
         for name, param, old, want in zip(("weight", "bias"), actor.params, before, wants):
             torch.testing.assert_close(param.detach(), old - rig.lr * want, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         rig.shards.close()
@@ -356,7 +356,7 @@ async def test_actor_skips_a_step_the_server_says_to_skip() -> None:
         actor.mailbox.post(StepSynced(0, (), True))
         with anyio.fail_after(WAIT_S):
             applied = await rig.session.receive()
-        assert applied == StepApplied(0, 0, rig.lr, None, skipped=True)
+        assert applied == StepApplied(0, 0, rig.lr, None, skipped=True, lrs=(rig.lr,))
         for param, old in zip(actor.params, before):
             assert torch.equal(param.detach(), old)
         rig.shards.close()
