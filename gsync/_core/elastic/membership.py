@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -24,11 +25,12 @@ import torch.distributed as dist
 
 from ...checkpoint import Checkpoint
 from ...elastic import Elastic, MembershipChange
-from ...errors import ConfigError, LostRank, PeerLost
+from ...errors import CheckpointError, ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
 from .handover import agree_state
 from ..threads import FitAborted
 from .quorum import Decision, ElasticRun, Generation, NotAMember, RunGone
+from .recovery import connection_lost
 
 __all__ = ("ElasticMembership",)
 
@@ -105,7 +107,7 @@ class ElasticMembership:
                     generation = run.rejoin(self.abort)
                 except RunGone as gone:
                     raise self._lost(before, (), mine, f"it was left out, and could not be taken back in: {gone}") from gone
-                state = agree_state(generation.host, mine, self.abort)
+                state = self._agree_state(generation, mine)
                 self._record(generation.decision, _first_step(state))
                 return generation, state
             except FitAborted:
@@ -121,13 +123,15 @@ class ElasticMembership:
             try:
                 generation = run.form(decision)
                 formed = time.monotonic()
-                state = agree_state(generation.host, mine, self.abort)
-            except FitAborted:
+                state = self._agree_state(generation, mine)
+            except (FitAborted, CheckpointError):
                 raise
             except Exception as error:  # noqa: BLE001 - a member lost again while the group formed: change again
                 logger.warning("gsync: rank %d: the new membership %s did not form (%s); changing again", self.launch_rank, list(decision.members), error)
                 if run.current is None or run.current.number != decision.generation:
                     run.not_formed(decision)
+                if connection_lost(error):
+                    _quietly(lambda: run.note_peer_gone(decision.generation))
                 continue
             logger.info(
                 "gsync: rank %d: membership decided, group formed in %.3f s, state agreed in %.3f s",
@@ -135,6 +139,20 @@ class ElasticMembership:
             )
             self._record(decision, _first_step(state))
             return generation, state
+
+    def _agree_state(self, generation: Generation, mine: Checkpoint | None) -> Checkpoint | None:
+        """The state ``generation`` starts from (see :func:`~gsync._core.elastic.handover.agree_state`).
+
+        :raises ~gsync.CheckpointError: with ``mine`` as its checkpoint, when
+            the state sent was refused: this rank cannot start the generation,
+            and changing again would only be sent the same again.
+        """
+        try:
+            return agree_state(generation.host, mine, self.abort)
+        except CheckpointError as refused:
+            refused.checkpoint = mine
+            refused.last_step = None if mine is None else mine.step
+            raise
 
     @property
     def leaving(self) -> bool:
@@ -185,6 +203,13 @@ class ElasticMembership:
         if self.run is None:
             raise RuntimeError("the elastic run was not entered")
         return self.run
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except Exception:  # noqa: BLE001 - a store that is gone: the change that follows finds out
+        pass
 
 
 def _first_step(state: Checkpoint | None) -> int:
