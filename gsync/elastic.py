@@ -29,9 +29,11 @@ class Elastic:
     whoever joins). ``answer_within``: seconds a membership change waits for
     every member to answer before it goes on without the silent ones. Every
     live member's gsync answers from a thread of its own within milliseconds,
-    whatever its training code is doing; a rank that is killed never answers,
-    so this is also the least time a loss costs. Raise it on machines so
-    loaded that a process's threads can go unscheduled that long.
+    whatever its training code is doing. A rank that is killed never answers,
+    but its closed connections say it is gone: when it is the only silent
+    member, the change goes on at once; it waits this long for a frozen rank,
+    or while more than one member is silent. Raise it on machines so loaded
+    that a process's threads can go unscheduled that long.
     """
 
     min_world_size: int = 1

@@ -56,6 +56,21 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
 
 
 @pytest.mark.timeout(120)
+def test_a_killed_rank_is_left_out_once_gloo_says_its_connection_closed_not_after_answer_within() -> None:
+    # A killed rank never answers the change; waiting out answer_within (30 s here) for it is what a frozen one
+    # costs. Its closed connection already says it is gone.
+    config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "kill"}, "answer_within": 30.0}
+    with ElasticRanks(3, config) as ranks:
+        outcomes = survivors(ranks, ["0", "2"])
+    expected = uninterrupted(STEPS)
+    for rank in ("0", "2"):
+        assert_equal_to(expected, outcomes[rank])
+        (change,) = outcomes[rank]["membership"]
+        assert change[1:4] == ((1,), (), 2) and change[5] == "lost", change
+        assert change[4] < 10, change
+
+
+@pytest.mark.timeout(120)
 def test_a_rank_killed_while_the_first_session_opens_leaves_the_others_to_start_over() -> None:
     # Nothing was applied yet: the survivors start from the initial state over the new membership.
     with ElasticRanks(3, {"steps": STEPS, "dies_opening": 1}) as ranks:

@@ -39,7 +39,7 @@ from .agreement import (
     verify_same_start,
 )
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
-from ..elastic.recovery import MembershipBroken, abort_communicator
+from ..elastic.recovery import PEER_GONE_KEY, MembershipBroken, abort_communicator, connection_lost
 from .heartbeat import STALE_AFTER_S, Heartbeat, Whereabouts
 from .membership import GroupMembership, join
 from .waiting import wait_work
@@ -367,6 +367,8 @@ class ProcessGroupRuntime:
         A failed peer publishes its report before it closes its group, so a
         collective that failed on its closed connection finds the report at
         once: no wait for heartbeats, whose silence the change does not need.
+        Without a report, a closed connection is a member gone, and the
+        change is told so (:meth:`_note_peer_gone`).
         """
         try:
             report = self.board.peer_report()
@@ -376,10 +378,24 @@ class ProcessGroupRuntime:
         if report is not None and report.error_type not in ("PeerLost", "MembershipBroken"):
             blamed = peer_failed(report)
         else:
+            if connection_lost(error):
+                self._note_peer_gone()
             step = getattr(error, "step", -1)
             blamed = MembershipBroken(step, getattr(error, "bucket", None), "a member of the elastic run is gone", site=getattr(error, "site", None))
         blamed.__cause__ = error
         return blamed
+
+    def _note_peer_gone(self) -> None:
+        """Tell the membership change to come that a member of this generation is gone (see ``connection_lost``).
+
+        Written before this rank asks for the change, so the members deciding
+        it go on as soon as everyone else answered, without waiting out
+        ``answer_within`` for the one that never will.
+        """
+        try:
+            self.membership.store.set(PEER_GONE_KEY, "1")
+        except Exception:  # noqa: BLE001 - a store that is gone: the membership change finds out
+            pass
 
     def store_unreachable(self) -> bool:
         """Whether the store looks gone or frozen (its calls fail, or one has not returned for seconds)."""

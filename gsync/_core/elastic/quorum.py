@@ -17,11 +17,13 @@ same one:
   :class:`~gsync._core.elastic.watcher.ReformWatcher` thread waits on that key
   and answers for its process at once, whatever its training threads are
   doing; a rank that departs writes ``g<g>/left/<rank>`` instead;
-- a rank deciding waits until every member answered or left, or until
-  ``answer_within`` has passed since it began, then proposes the members
-  that answered, with the ranks that knocked (``knock<i>``) up to
-  ``max_world_size``, by ``compare_set`` on ``g<g>/next``: the first
-  proposal wins, and every rank reads the one stored.
+- a rank deciding waits until every member answered or left, or all but
+  one did and a member noted that a peer of this generation is gone (its
+  gloo connection closed: ``g<g>/s/peer_gone``), or until ``answer_within``
+  has passed since it began; then it proposes the members that answered,
+  with the ranks that knocked (``knock<i>``) up to ``max_world_size``, by
+  ``compare_set`` on ``g<g>/next``: the first proposal wins, and every rank
+  reads the one stored.
 
 A process that finds the run active (``active``) knocks instead of starting
 one, and waits for a decision that takes it in. A member's watcher hears a
@@ -52,7 +54,7 @@ from ...elastic import Elastic
 from ...errors import ConfigError
 from ..distributed.heartbeat import STALE_AFTER_S
 from ..threads import FitAborted
-from .recovery import abort_communicator
+from .recovery import PEER_GONE_KEY, abort_communicator
 
 __all__ = ("Decision", "ElasticRun", "Generation", "NotAMember", "RunGone", "run_scope")
 
@@ -239,10 +241,10 @@ class ElasticRun:
         deadline = time.monotonic() + self.settings.answer_within
         while not self.store.check([next_key]):
             answered, left = self._roll_call(current)
-            everyone = set(answered) | set(left) == set(current.members)
-            # A departing rank proposes too once nobody is left to hear from (every member leaving at once, as a
-            # launcher tearing down signals them all); it never decides to go on without a silent one.
-            if everyone or (not leaving and time.monotonic() > deadline):
+            if self._known(current, answered, left, leaving, deadline):
+                # Agreed, not raced: members deciding at the same moment may propose different memberships (one
+                # read an answer or a note of a lost peer that another did not yet), but compare_set stores only
+                # the first proposal, and every member, the proposers included, goes on with the one stored.
                 self.store.compare_set(next_key, "", _encode(self._propose(current, answered, left)))
                 break
             if abort.wait(_POLL_S):
@@ -264,6 +266,44 @@ class ElasticRun:
     def answer(self, number: int) -> None:
         """Say this process is alive in the change after generation ``number`` (the watcher does, at once)."""
         self.store.set(self.key(f"g{number}", f"in/{self.launch_rank}"), "1")
+
+    def _known(self, current: Generation, answered: list[int], left: list[int], leaving: bool, deadline: float) -> bool:
+        """Whether the change after ``current`` can be decided now: who is in is known, or waiting is over.
+
+        - Every member answered or left: nobody is left to hear from. A
+          departing rank proposes too then (every member leaving at once, as
+          a launcher tearing down signals them all).
+        - One member is silent, and a member's collective in this generation
+          failed on a connection a peer's process closed (``peer_gone``): the
+          silent one is that peer, since a member that answered or left was
+          alive when it did (a departing one waits for this decision). No
+          need to wait out ``answer_within`` for an answer that cannot come.
+          Two or more silent: which of them is gone is not known, so the
+          wait goes on for the others.
+        - ``answer_within`` has passed since this rank began: the silent ones
+          are left out. A departing rank never decides to go on without a
+          silent one.
+
+        A silent member left out while alive after all (too starved to answer)
+        is told so when it does, and knocks to be taken back in.
+        """
+        silent = len(current.members) - len(answered) - len(left)
+        if silent == 0:
+            return True
+        if leaving:
+            return False
+        if silent == 1 and self.store.check([self._peer_gone_key(current.number)]):
+            return True
+        return time.monotonic() > deadline
+
+    def _peer_gone_key(self, number: int) -> str:
+        # Under generation ``number``'s own store (``Generation.store``), where its members' runtimes write it; by
+        # number, since a generation that did not form keeps its predecessor's store object.
+        return self.key(f"g{number}", "s", PEER_GONE_KEY)
+
+    def note_peer_gone(self, number: int) -> None:
+        """A member of generation ``number`` is gone (its connection closed while that generation formed or was handed over)."""
+        self.store.set(self._peer_gone_key(number), "1")
 
     def _roll_call(self, current: Generation) -> tuple[list[int], list[int]]:
         answered, left = [], []

@@ -16,11 +16,17 @@ import torch.distributed as dist
 
 from ...errors import GsyncError, PeerLost, SyncFailed
 
-__all__ = ("MembershipBroken", "abort_communicator", "recoverable")
+__all__ = ("PEER_GONE_KEY", "MembershipBroken", "abort_communicator", "connection_lost", "recoverable")
 
 logger = logging.getLogger("gsync")
 _ABORTED: set[int] = set()
 _ABORTING = threading.Lock()
+
+PEER_GONE_KEY = "peer_gone"
+"""Set under a generation's store (``g<g>/s``) by a member that met :func:`connection_lost` in that generation."""
+# What gloo's TCP transport says when the other end of a pair's connection went away (pair.cc: end of file,
+# ECONNRESET, EPIPE): the kernel closes a process's sockets when it ends, however it ends.
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 class MembershipBroken(SyncFailed):
@@ -33,6 +39,28 @@ class MembershipBroken(SyncFailed):
 def recoverable(error: BaseException) -> bool:
     """Whether an elastic run goes on after ``error`` with a new membership."""
     return isinstance(error, (MembershipBroken, PeerLost)) and isinstance(error, GsyncError)
+
+
+def connection_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it) is gloo reporting that a peer's connection closed: its process ended.
+
+    A live member does not close its connections to a generation's group
+    while the generation lasts: groups are retired, not destroyed, until the
+    run ends, and gloo closes a pair itself only when an operation runs into
+    the group's timeout, which gsync's own (``sync_timeout``, a peer's
+    3 s of silence) end long before. So this is proof that some member of the
+    generation is gone, though not of which one: gloo names the peer by a
+    socket address, not a rank. The store's own connection errors are not.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        store_error = isinstance(current, (dist.DistStoreError, dist.DistNetworkError))
+        if isinstance(current, RuntimeError) and not store_error and any(text in str(current) for text in _CONNECTION_LOST):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def abort_communicator(group: object) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -14,7 +15,8 @@ import pytest
 import torch.distributed as dist
 
 import gsync
-from gsync._core.elastic.quorum import ElasticRun, NotAMember, run_scope
+from gsync._core.elastic.quorum import Decision, ElasticRun, NotAMember, run_scope
+from gsync._core.elastic.recovery import PEER_GONE_KEY, connection_lost
 from gsync._core.elastic.watcher import ReformWatcher
 
 TIMEOUT = timedelta(seconds=20)
@@ -55,6 +57,70 @@ def test_the_members_that_answer_agree_on_one_membership_and_a_silent_one_is_lef
     # Rank 1 comes back to life and tries to answer: it is told it was left out.
     with pytest.raises(NotAMember, match="too late"):
         runs[1].reform(abort)
+
+
+def decide_timed(runs: list[ElasticRun]) -> tuple[list[Decision], float]:
+    """Every run in ``runs`` decides the next change at once (each in a thread); the decisions and the seconds it took."""
+    abort = threading.Event()
+    began = time.monotonic()
+    with ThreadPoolExecutor(len(runs)) as pool:
+        decisions = list(pool.map(lambda run: run.reform(abort), runs))
+    return decisions, time.monotonic() - began
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_member_known_gone_is_left_out_without_waiting_out_answer_within() -> None:
+    server = store_server()
+    runs = started(server, 3, gsync.Elastic(answer_within=30.0))
+    # Rank 0's collective failed on a connection a peer closed: its runtime notes it in the generation's store.
+    runs[0].current.store.set(PEER_GONE_KEY, "1")
+    decisions, took = decide_timed([runs[0], runs[2]])
+    assert decisions[0] == decisions[1]
+    assert decisions[0].members == (0, 2) and decisions[0].lost == (1,)
+    assert took < 15, took  # far below answer_within (30 s), which a silent rank costs without the note
+
+
+@pytest.mark.timeout(60)
+def test_two_silent_members_are_waited_for_though_one_is_known_gone() -> None:
+    server = store_server()
+    runs = started(server, 4, gsync.Elastic(answer_within=1.0))
+    runs[3].current.store.set(PEER_GONE_KEY, "1")
+    # Which of ranks 1 and 2 is gone is not known: the live one may still answer within answer_within.
+    decisions, took = decide_timed([runs[0], runs[3]])
+    assert decisions[0] == decisions[1] and decisions[0].members == (0, 3) and decisions[0].lost == (1, 2)
+    assert took >= 1.0, took
+
+
+@pytest.mark.timeout(60)
+def test_a_note_of_a_gone_peer_counts_for_its_own_generation_only() -> None:
+    server = store_server()
+    runs = started(server, 3, gsync.Elastic(answer_within=1.0))
+    decisions, _ = decide_timed(runs)
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda run: run.form(decisions[0]), runs))
+    # Generation 0's old group failing late, on a peer that is gone by now.
+    runs[0].note_peer_gone(0)
+    # In generation 1 rank 1 is silent, and nobody noted a gone peer in it: it is waited for.
+    decisions, took = decide_timed([runs[0], runs[2]])
+    assert decisions[0].members == (0, 2) and decisions[0].generation == 2
+    assert took >= 1.0, took
+
+
+def test_only_gloo_saying_a_peers_connection_closed_is_proof_that_a_member_is_gone() -> None:
+    # As gloo 2.13 words it (measured: a peer process killed, the survivor's next collective).
+    closed = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:32968. This is typically caused by a remote worker crashing."
+    )
+    reset = RuntimeError("[../gloo/transport/tcp/pair.cc:598] Read error [127.0.0.1]:4711: Connection reset by peer")
+    for cause in (closed, reset):
+        failed = gsync.SyncFailed(4, None)
+        failed.__cause__ = cause
+        assert connection_lost(failed)
+    assert not connection_lost(RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1000ms for recv operation to complete"))
+    # The store's own socket errors say nothing of the members.
+    assert not connection_lost(dist.DistStoreError("Connection reset by peer"))
+    assert not connection_lost(gsync.SyncFailed(4, None))
 
 
 @pytest.mark.timeout(60)
