@@ -34,6 +34,12 @@ _VERSION = 2
 
 @dataclass(frozen=True)
 class Checkpoint:
+    """The state of a run after ``step``, on the CPU: resume from it with ``fit(..., resume=checkpoint)``.
+
+    Errors carry one (``error.checkpoint``), as do results (``FitResult.checkpoint``) and
+    :meth:`gsync.Session.checkpoint`; :meth:`save` and :meth:`load` write and read it as a file.
+    """
+
     step: int
     """The last step whose update this state includes; -1 for the state before the first step."""
     model_state: dict[str, torch.Tensor]

@@ -111,7 +111,8 @@ class Engine:
         10M-parameter MLP on 2 cores took 0.84-1.00x the time with a thread
         and a core each that they took taking turns on both cores: torch
         splits one replica's kernels over two cores less well than two
-        replicas split the cores. See the README.) Results do not depend on
+        replicas split the cores: the performance page of the docs,
+        docs/performance.md, has the figures.) Results do not depend on
         the setting beyond the last bit of kernels that torch splits over
         several threads, whose rounding can depend on the thread count.
         Sharing applies to CPU devices only. A device's wait for its turn

@@ -57,6 +57,8 @@ class StepRecord:
 
 @dataclass
 class FitResult:
+    """What a ``fit`` returns: the trained model, each step's loss and record, the final checkpoint."""
+
     model: nn.Module
     """The module passed to ``fit``, holding the trained parameters and buffers."""
     losses: list[float]

@@ -272,7 +272,8 @@ class Session:
         """Train on ``data`` from where the session is; ``Engine.fit`` is this call between an open and a close.
 
         Takes :meth:`gsync.Engine.fit`'s loop arguments, with the same
-        meaning. The optimizer, scheduler and scaler state and the step
+        meaning but for ``epochs``: here, that many passes over ``data``
+        from where the session is. The optimizer, scheduler and scaler state and the step
         numbers carry over from the session's earlier steps and fits: two
         calls of ``session.fit(data)`` end with the parameters of one
         ``engine.fit(data, epochs=2)``. Each result has the losses and history
@@ -280,7 +281,8 @@ class Session:
         ``model`` is :attr:`model` as of its last step. In a session opened
         with ``resume=``, the first fit before any step continues the run the
         checkpoint came from: ``data`` is replayed and the steps the
-        checkpoint includes are skipped, as ``Engine.fit(resume=...)`` does.
+        checkpoint includes are skipped, as ``Engine.fit(resume=...)`` does,
+        and ``epochs`` counts the run's epochs, those before the checkpoint too.
 
         A :class:`~gsync.StopTraining` from a callback ends the call early,
         normally, and the session stays open. Cancelling the call, a failure,

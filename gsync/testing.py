@@ -17,6 +17,10 @@ Sites are the phases of a step: ``"data"`` (moving the shard to the device),
 last step the device trained, -1 before the first), and ``"all_reduce"`` (the communication thread, before a bucket's reduction;
 ``device`` is ignored there). Each fault fires once, at its first match.
 
+A fault applies to every fit and session of the engine while it is armed, a
+session opened earlier (by a fixture, in an earlier notebook cell) included,
+from its next step on.
+
 Under pytest, gsync's plugin (``gsync_pytest``) arms them for one test:
 ``gsync_faults.fail(device=1, step=3, site="backward")`` on its ``gsync_engine``.
 """
@@ -45,6 +49,8 @@ class InjectedFault(RuntimeError):
 
 @dataclass
 class Fault:
+    """A fault :func:`fail` or :func:`stall` made: where it fires, and events to wait on or release it by."""
+
     device: int | None
     step: int
     site: Site

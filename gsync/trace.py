@@ -57,6 +57,8 @@ _TIDS_PER_RANK = 1000
 
 
 class TraceEvent(msgspec.Struct, frozen=True, gc=False):
+    """One phase, reduction or mark of a :class:`Trace`: what, at which step, on which device, from when to when."""
+
     name: str
     """``data``, ``forward``, ``backward``, ``optimizer``, ``evaluate`` (per device), ``all_reduce`` and
     ``finish_step`` (buffer broadcast and cross-process agreement) on the communication thread, or a mark:
@@ -80,10 +82,15 @@ class TraceEvent(msgspec.Struct, frozen=True, gc=False):
 
 
 class Trace:
-    """Collects events from any thread (appends to a list are atomic in CPython)."""
+    """A run's timeline: ``events``, one :class:`TraceEvent` per phase, reduction and mark, from every thread.
+
+    ``Engine(trace=True)`` makes one per fit or session (``FitResult.trace``, ``Session.trace``); pass one of
+    your own to record into it, or a subclass whose :meth:`record` forwards each event as it comes.
+    """
 
     def __init__(self) -> None:
         self.events: list[TraceEvent] = []
+        """Every event, in the order recorded (:meth:`select` picks by name and step)."""
         self._origin = time.perf_counter()
         self._origin_monotonic = time.monotonic()
         self._origin_unix = time.time()

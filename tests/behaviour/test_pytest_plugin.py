@@ -126,7 +126,9 @@ def test_fault_fixture_makes_training_raise_worker_failed_for_the_step(user_proj
         test_user='''
         import gsync
         import pytest
-        from my_project import train
+        import pytest_asyncio
+        import torch
+        from my_project import model_and_data, train
 
 
         @pytest.mark.asyncio
@@ -153,10 +155,41 @@ def test_fault_fixture_makes_training_raise_worker_failed_for_the_step(user_proj
         @pytest.mark.asyncio
         async def test_faults_are_disarmed_after_the_test_that_armed_them(gsync_engine):
             assert gsync_engine._site_hooks == []
+
+
+        @pytest_asyncio.fixture
+        async def session(gsync_engine):
+            model, _ = model_and_data()
+            async with gsync_engine.session(
+                model,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+                loss_fn=lambda model, batch: torch.nn.functional.cross_entropy(model(batch[0]), batch[1]),
+            ) as session:
+                yield session
+
+
+        @pytest.mark.asyncio
+        async def test_a_fault_armed_after_a_fixture_opened_the_session_fires(session, gsync_faults):
+            _, data = model_and_data()
+            gsync_faults.fail(device=1, step=1, site="backward")
+            await session.step(data[0])
+            with pytest.raises(gsync.WorkerFailed) as caught:
+                await session.step(data[1])
+            assert (caught.value.device_index, caught.value.step) == (1, 1)
+
+
+        @pytest.mark.asyncio
+        @pytest.mark.gsync_engine(sync_timeout=0.3)
+        async def test_a_stall_armed_after_a_fixture_opened_the_session_stalls_it(session, gsync_faults):
+            _, data = model_and_data()
+            fault = gsync_faults.stall(device=0, step=0, site="forward")
+            with pytest.raises(gsync.SyncTimeout):
+                await session.step(data[0])
+            assert fault.reached.is_set()
         '''
     )
     result = run(user_project)
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=5)
 
 
 @pytest.mark.timeout(60)
