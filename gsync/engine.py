@@ -24,6 +24,7 @@ from .comm.compressed import CompressionHook
 from ._core.step.context import SiteHook
 from ._core.arguments import checked_recipe, positive, resume_argument
 from ._core.devices import DeviceSpec, parse_devices, plan_device_threads
+from ._core.session.cancelling import cancellation_kept
 from ._core.session.service import SessionSlot
 from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
@@ -390,8 +391,9 @@ class Engine:
         resume = resume_argument(resume, checkpoint_dir)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
-        async with SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data)) as session:
-            result = await session._fit(data, settings, result_model=model)
+        with cancellation_kept():
+            async with SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data)) as session:
+                result = await session._fit(data, settings, result_model=model)
         return result
 
 

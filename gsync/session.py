@@ -64,6 +64,7 @@ from .errors import ConfigError, GsyncError, SessionClosed
 from ._core.elastic.recovery import recoverable
 from ._core.session.fit import run_fit
 from ._core.session.fit_settings import FitLoopSettings
+from ._core.session.cancelling import cancellation_kept
 from ._core.session.outcome import is_cancellation
 from .result import FitResult, FitStats, StepResult
 from .trace import Trace
@@ -192,16 +193,17 @@ class Session:
             failure settled since the last call; the session is closed afterwards.
         """
         self._check_call()
-        try:
-            result = await self._step(batches, last=False)
-            if result is None:
-                # The new membership started after this step: a member that had applied it handed its state over.
-                core = self._core
-                return StepResult(step=core.next_step - 1, loss=math.nan, lr=math.nan, rows=0, seconds=0.0, world_size=core.world_size)
-            return result
-        except BaseException as error:
-            await self._closed_by(error)
-            raise
+        with cancellation_kept():
+            try:
+                result = await self._step(batches, last=False)
+                if result is None:
+                    # The new membership started after this step: a member that had applied it handed its state over.
+                    core = self._core
+                    return StepResult(step=core.next_step - 1, loss=math.nan, lr=math.nan, rows=0, seconds=0.0, world_size=core.world_size)
+                return result
+            except BaseException as error:
+                await self._closed_by(error)
+                raise
 
     async def _step(
         self,
@@ -295,11 +297,12 @@ class Session:
         """
         self._check_call()
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
-        return await self._fit(data, settings)
+        with cancellation_kept():
+            return await self._fit(data, settings)
 
     async def _fit(self, data: Iterable[Any] | AsyncIterable[Any], settings: FitLoopSettings, result_model: nn.Module | None = None) -> FitResult:
         service = self._service
-        if service.fit_scope is not None:
+        if service.fit_scope is not None and not service.closing:
             raise ConfigError("fit() while another task's fit of this session runs: await it before the next call")
         # The whole fit is one call: another task's step, evaluate or fit is refused until it ends, and a close
         # from another task ends it (the fit's own callbacks may use the session).
@@ -350,11 +353,12 @@ class Session:
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
         self._check_call()
-        try:
-            return await (await self._after_change()).evaluate(data, metric_fn=metric_fn)
-        except BaseException as error:
-            await self._closed_by(error)
-            raise
+        with cancellation_kept():
+            try:
+                return await (await self._after_change()).evaluate(data, metric_fn=metric_fn)
+            except BaseException as error:
+                await self._closed_by(error)
+                raise
 
     async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
         """Combine one value per *process* (not per device) over every process.
@@ -373,11 +377,12 @@ class Session:
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
         """
         self._check_call()
-        try:
-            return await (await self._after_change()).all_reduce(value, op)
-        except BaseException as error:
-            await self._closed_by(error)
-            raise
+        with cancellation_kept():
+            try:
+                return await (await self._after_change()).all_reduce(value, op)
+            except BaseException as error:
+                await self._closed_by(error)
+                raise
 
     def checkpoint(self) -> Checkpoint:
         """The current consistent state as of the last step, copied to the CPU.
@@ -405,7 +410,8 @@ class Session:
         :raises ~gsync.ConfigError: from another thread or event loop.
         """
         self._check_caller(closing=True)
-        await self._service.close()
+        with cancellation_kept():
+            await self._service.close()
 
     async def __aenter__(self) -> Session:
         return self
@@ -464,7 +470,8 @@ class Session:
         """A call that runs an operation: from the right thread and loop, and not beside another task's fit."""
         self._check_caller()
         service = self._service
-        if service.fit_scope is not None and service.fit_task != anyio.get_current_task().id:
+        # Once closed, every call says so (the core raises SessionClosed), though a fit may still be winding down.
+        if service.fit_scope is not None and service.fit_task != anyio.get_current_task().id and not service.closing:
             raise ConfigError(
                 "a call of this session while another task's fit() runs: a session does one thing at a time; "
                 "await the fit first (its callbacks may use the session)"
@@ -612,14 +619,13 @@ class SessionOpener:
         else:
             group = None
             task = self._block_task
-            # Only a cancellation of ours, and no other pending: one from outside still propagates.
-            ours = (
-                self._interrupted
-                and isinstance(exc, asyncio.CancelledError)
-                and task is asyncio.current_task()
-                and task is not None
-                and task.uncancel() == 0
-            )
+            ours = False
+            if self._interrupted and task is not None and task is asyncio.current_task():
+                # gsync's own cancel of the block is taken back, whether the block raised it or swallowed it (a
+                # task left cancelling would make the next asyncio.timeout take its expiry for someone else's).
+                others = task.uncancel()
+                # Only a cancellation of ours, and no other pending: one from outside still propagates.
+                ours = isinstance(exc, asyncio.CancelledError) and others == 0
         try:
             # The block's own exception (or a cancellation from outside) ends the session as it does the
             # block; a failure that cancelled the block's code is raised in its place.

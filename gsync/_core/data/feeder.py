@@ -204,11 +204,15 @@ class Feeder:
         loop: LoopHandle,
         batches_per_step: int = 1,
         resuming: bool = False,
+        first_step: int = 0,
     ) -> None:
+        """``first_step``: the global index of the data's first step, for the step numbers of its errors (a
+        resumed fit's data counts from 0: it is replayed up to the checkpoint)."""
         self._epoch_setters = epoch_setters(data, from_zero=resuming)
         self._reader = BatchReader(data, loop)
         self._epochs = epochs
         self._batches_per_step = batches_per_step
+        self._first_step = 0 if resuming else first_step
         self._next_epoch = anyio.Event()
 
     def next_epoch(self) -> None:
@@ -236,7 +240,7 @@ class Feeder:
     async def _read_all(self, send: ObjectSendStream[FeedItem]) -> None:
         per_step = self._batches_per_step
         try:
-            steps_before = 0  # the steps of the epochs read so far; fit drops each epoch's partial step
+            steps_before = self._first_step  # and the epochs read so far; fit drops each epoch's partial step
             for epoch in range(self._epochs):
                 if epoch > 0:
                     await self._next_epoch.wait()

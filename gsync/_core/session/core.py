@@ -55,6 +55,7 @@ from ...errors import (
 from ..step.mailbox import Mailbox
 from ..step.messages import ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
 from .outcome import raised_by_block
+from .state import Lifecycle, SessionState
 from .lifecycle import _built
 from .operations import ReduceOp, SessionOperations
 from ..gradients.rebuild import PlanRebuild
@@ -107,14 +108,10 @@ class SessionCore(SessionOperations):
         """The global index of this session's first step (> 0 when resuming)."""
         self._next_step = self.first_step
         self._abort = threading.Event()
-        self._open = False
-        self._started = False
-        self._ended = False
-        self._stepping = False
+        self._life = Lifecycle()
         self._operations_done = 0
         self._operation_over: LoopEvent | None = None
         self._op_scope: anyio.CancelScope | None = None
-        self._failing = False
         self._settled = anyio.Event()
         self._checkpoint_attempted: set[int] = set()
         self._failure: BaseException | None = None
@@ -128,7 +125,8 @@ class SessionCore(SessionOperations):
         self.undelivered: BaseException | None = None
         """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
         self.end_requested = anyio.Event()
-        """Set when the session should end: closed by its user, or failed (the service then leaves the task group)."""
+        """Set when the session should end: closed by its user, or failed (the service then leaves the task group).
+        Set through :meth:`request_end` (or a failure), which also ends the lifecycle's serving."""
         self.on_idle_failure: Callable[[], None] | None = None
         """Called once a failure that no operation waits for is settled (the scoped form cancels the user's block)."""
         self.replay_pending = resume is not None if replay is None else replay
@@ -217,8 +215,7 @@ class SessionCore(SessionOperations):
 
     async def step(self, batches: Sequence[Any], last: bool) -> StepResult:
         """One optimizer step over ``batches``; ``last``: no step follows it in this fit (the server frees early)."""
-        if self._failing:
-            await self._settle_first()
+        await self._settle_first()
         self._check_usable("step")
         if not batches:
             raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
@@ -303,14 +300,19 @@ class SessionCore(SessionOperations):
         return self._failure
 
     @property
-    def usable(self) -> bool:
-        """Open and not failed: operations may run."""
-        return self._open and self._failure is None
+    def state(self) -> SessionState:
+        """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`)."""
+        return self._life.state
 
     @property
-    def busy(self) -> bool:
-        """A step, evaluate or all_reduce runs."""
-        return self._stepping
+    def usable(self) -> bool:
+        """Open and not failed: operations may run."""
+        return self._life.state in (SessionState.IDLE, SessionState.OPERATING) and self._failure is None
+
+    def request_end(self) -> None:
+        """End the session (a close, a drop, a planned membership change): no call starts from now on."""
+        self._life.end_asked()
+        self.end_requested.set()
 
     def rewind_generators_for_replay(self) -> None:
         """Before a resumed fit replays its data: the generators as they were when the session opened.
@@ -325,12 +327,13 @@ class SessionCore(SessionOperations):
 
     def current_model(self) -> nn.Module:
         """A module holding the weights of the last step applied (see :attr:`gsync.Session.model`)."""
-        if not (self._stepping and self._failure is None):  # a read while a step runs is refreshed after it
+        operating = self._life.state is SessionState.OPERATING
+        if not operating:  # a read while a step runs is refreshed after it
             self._check_usable("model")
         if self._snapshot is None:
             # Made once: the user's model is left as it was until the session closes.
             self._snapshot = copy.deepcopy(self.model)
-        if self._stepping:
+        if operating:
             self._snapshot_wanted = True  # the step in flight is written in when it is applied
         elif self._snapshot_step != self._next_step - 1:
             self._refresh_snapshot()
@@ -387,7 +390,12 @@ async def open_session(
                 except BaseException:
                     raise  # the group cancels everything: nothing to end gracefully
                 else:
-                    session._stop_serving()
+                    if session._failure is None:
+                        session._stop_serving()
+                    else:
+                        # Failed or cancelled: nothing it holds is to be finished, and a device thread stuck in
+                        # native code would keep a graceful end waiting for its sync_timeout. It is left behind.
+                        group.cancel_scope.cancel()
         except BaseExceptionGroup as errors:
             raised = raised_by_block(errors, session._failure)
         except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
@@ -402,7 +410,7 @@ async def open_session(
         else:
             if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not session._failure:
                 session._fail(raised)
-            if not session._started:
+            if not session._life.opened:
                 # A start interrupted in its collectives (a cancellation): the report below
                 # queues behind them in the setup thread, which leaves them on the abort flag.
                 session._abort.set()

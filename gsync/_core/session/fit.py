@@ -96,7 +96,7 @@ async def run_fit(
     display = Progress(total, core.next_step, replayed) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display
     try:
-        await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None))
+        await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None, first_step=core.next_step))
         _check_trained(history, resume, epochs, accumulate)
         core = loop.core
         checkpoint = await _finish(loop, session, writer)

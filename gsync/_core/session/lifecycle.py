@@ -34,6 +34,7 @@ from ..step.mailbox import Mailbox
 from ..step.messages import Close, ServerMessage, SessionMessage
 from .outcome import first_failure, is_cancellation
 from .peers import MEMBERSHIP_CHANGING, SessionPeers
+from .state import Lifecycle, SessionState
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
 from ..state.replicas import copy_replicas, equip_replicas
@@ -73,8 +74,7 @@ class SessionLife(SessionPeers):
     _recipe: Recipe
     _resume: Checkpoint | None
     _process_local: bool
-    _open: bool
-    _ended: bool
+    _life: Lifecycle
     _torn_down: bool
     _op_scope: anyio.CancelScope | None
     _settled: anyio.Event
@@ -114,7 +114,8 @@ class SessionLife(SessionPeers):
             # a fit that replays its data first rewinds to these, as the interrupted run read its data with them.
             self._rng_before_resume = capture_rng([spec.torch_device for spec in settings.devices if spec.torch_device.type == "cuda"])
             restore_checkpoint_rng(resume)
-        self._open = self._started = True
+        if self._life.state is SessionState.OPENING:  # nothing ended it while it started
+            self._life.move(SessionState.IDLE)
         logger.info(
             "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
             ", ".join(spec.name for spec in settings.devices), self._topology.rank, self._topology.world_size, len(plan.buckets),
@@ -203,10 +204,11 @@ class SessionLife(SessionPeers):
                 self._settled.set()
                 raise
             closed_already = self._failure is not None
-            self._failing = True
+            self._life.move(SessionState.FAILING)
             try:
                 failure = await self._settle(errors)
                 self._fail(failure)
+                self._life.move(SessionState.FAILED)
             finally:
                 self._settled.set()
         else:
@@ -214,7 +216,7 @@ class SessionLife(SessionPeers):
             return
         if closed_already:
             return  # an operation closed the session; its caller already knows
-        if self._stepping and self._op_scope is not None:
+        if self._op_scope is not None:
             self._op_scope.cancel()  # the operation raises the failure
             return
         if self._runtime is not None and self._runtime.elastic and recoverable(failure):
@@ -239,7 +241,6 @@ class SessionLife(SessionPeers):
         if self._torn_down:
             return
         self._torn_down = True
-        self._open = False
         self._abort.set()
         for actor in self._actors:
             actor.shards.discard()
@@ -262,8 +263,14 @@ class SessionLife(SessionPeers):
             self._server.close()
             workers.append(self._server.comm)
         deadline = time.monotonic() + _THREAD_GRACE_S
-        for worker in workers:
-            await worker.join(max(0.0, deadline - time.monotonic()))
+        left_behind = [worker.name for worker in workers if not await worker.join(max(0.0, deadline - time.monotonic()))]
+        if left_behind:
+            where = ", ".join(f"{actor.name} ({actor.where})" for actor in self._actors if actor.worker.name in left_behind)
+            logger.warning(
+                "gsync: thread(s) %s did not stop within %.1f s and are left behind (daemon threads, stuck in %s); "
+                "they end at their job's next phase boundary, or with the process",
+                ", ".join(left_behind), _THREAD_GRACE_S, where or "a collective",
+            )
         if self._collective is not None:
             self._collective.close()
 
@@ -293,7 +300,7 @@ class SessionLife(SessionPeers):
 
     async def _close(self) -> None:
         """Tear everything down, the process group last. Idempotent, shielded from cancellation."""
-        self._ended = True
+        self._life.end_asked()
         with anyio.CancelScope(shield=True):
             if self._watcher is not None:
                 self._watcher.stop()
@@ -305,6 +312,7 @@ class SessionLife(SessionPeers):
             if self._setup is not None:
                 self._setup.stop()
                 await self._setup.join(_THREAD_GRACE_S)
+        self._life.move(SessionState.CLOSED)
 
     async def _finish(self) -> None:
         """After a clean end: the model passed in receives the first replica's parameters and buffers.
@@ -334,6 +342,7 @@ class SessionLife(SessionPeers):
     def _fail(self, error: BaseException) -> BaseException:
         """Close the session for good because of ``error`` (raised by the caller)."""
         self._abort.set()
+        self._life.end_asked()
         self.end_requested.set()
         if self._failure is None:
             self._failure = error

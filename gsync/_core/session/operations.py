@@ -24,6 +24,7 @@ from ...errors import ConfigError, DataFailed, GsyncError, InputTypeError, Sessi
 from ..data.feeder import BatchReader, check_batch_source
 from .lifecycle import SessionLife, _built
 from .outcome import first_failure, is_cancellation
+from .state import SessionState
 
 __all__ = ("ReduceOp", "SessionOperations")
 
@@ -44,11 +45,16 @@ class SessionOperations(SessionLife):
         self._fail(SessionClosed("a call of this session was cancelled midway, so the session is closed"))
 
     def close_operation(self, reason: str) -> None:
-        """End the operation in flight with :class:`~gsync.SessionClosed` (``reason``), closing the session."""
-        scope = self._op_scope
-        if scope is not None and not self._failing:  # a failing operation raises that failure itself
-            self._fail(SessionClosed(reason))
-            scope.cancel()
+        """End the call in flight with :class:`~gsync.SessionClosed` (``reason``), closing the session as failed.
+
+        The call may be between operations (a fit waiting for its data): the
+        session fails all the same, so that the model is left as it was.
+        """
+        if self.failing or self._failure is not None:
+            return  # a failing operation raises that failure itself
+        self._fail(SessionClosed(reason))
+        if self._op_scope is not None:
+            self._op_scope.cancel()
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
         """Row-weighted metric sums over every global batch of ``data``, as global means (see :meth:`gsync.Session.evaluate`)."""
@@ -173,9 +179,14 @@ class SessionOperations(SessionLife):
 
     # -- state checks ------------------------------------------------------------
 
+    @property
+    def failing(self) -> bool:
+        """The session's task group failed: the failure is being settled, or has been."""
+        return self._life.state in (SessionState.FAILING, SessionState.FAILED)
+
     async def _settle_first(self) -> None:
         """A call made while a failure is being settled waits for it, and then raises it (not a closed session)."""
-        if self._failing:
+        if self._life.state is SessionState.FAILING:
             with anyio.CancelScope(shield=True):
                 await self._settled.wait()
 
@@ -195,13 +206,14 @@ class SessionOperations(SessionLife):
             closed.last_step = getattr(failure, "last_step", None)
             closed.checkpoint = getattr(failure, "checkpoint", None)
             raise closed from failure
-        if not self._open:
-            if self._failing:
-                raise SessionClosed(f"{what}() while the session closes after a failure; the next call (or aclose) raises it")
-            if self._ended:
-                raise SessionClosed(f"{what}() after the session was closed; open a new session")
+        state = self._life.state
+        if state in (SessionState.FAILING, SessionState.FAILED):
+            raise SessionClosed(f"{what}() while the session closes after a failure; the next call (or aclose) raises it")
+        if state in (SessionState.CLOSING, SessionState.CLOSED):
+            raise SessionClosed(f"{what}() after the session was closed; open a new session")
+        if state is SessionState.OPENING:
             raise SessionClosed(f"{what}() on a session that is not open yet: `session = await engine.session(...)` opens it")
-        if self._stepping:
+        if state is SessionState.OPERATING:
             raise ConfigError(
                 f"{what}() while another task is inside step(), evaluate() or all_reduce() of this session; a "
                 "session does one thing at a time: await each call before the next"
@@ -224,15 +236,15 @@ class SessionOperations(SessionLife):
             raise self._fail(peer_failed(left))
         over = _built(self._loop).event()
         scope = anyio.CancelScope()
+        self._life.move(SessionState.OPERATING)
         self._op_scope = scope
         self._operation_over = over
-        self._stepping = True
         symptom = False
         try:
             with scope:
                 yield
         except BaseException as error:
-            if not self._failing:
+            if not self.failing:
                 if is_cancellation(error):
                     self.cancelled(error)
                 raise
@@ -242,7 +254,7 @@ class SessionOperations(SessionLife):
                 await self._settled.wait()
             symptom = True
         finally:
-            self._stepping = False
+            self._life.operation_over()
             self._op_scope = None
             over.set()
         if symptom or scope.cancelled_caught:

@@ -35,7 +35,9 @@ def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = (
     errors = [e for e in flatten(group) if not isinstance(e, (anyio.get_cancelled_exc_class(), FitAborted))]
     errors += [e for e in late if all(e is not seen for seen in errors)]
     if not errors:
-        return group.exceptions[0]
+        # Nothing but cancellations and aborts: one of them, never a group (logged or raised, a group names nothing).
+        flat = flatten(group)
+        return flat[0] if flat else group
     for error in errors:
         if isinstance(error, (ConfigError, InputTypeError)):
             return error

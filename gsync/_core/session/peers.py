@@ -20,6 +20,7 @@ from ..distributed import FailureReport, peer_failed
 from ..distributed.heartbeat import Whereabouts, locate
 from ..elastic.recovery import MembershipBroken, recoverable
 from ..threads import FitAborted
+from .state import Lifecycle, SessionState
 
 if TYPE_CHECKING:
     import threading
@@ -54,9 +55,8 @@ class SessionPeers:
     first_step: int
     _next_step: int
     _abort: threading.Event
-    _started: bool
-    _stepping: bool
-    _failing: bool
+    _life: Lifecycle
+    _op_scope: anyio.CancelScope | None
     _failure: BaseException | None
     _operations_done: int
     _operation_over: LoopEvent | None
@@ -83,11 +83,11 @@ class SessionPeers:
             raise MembershipBroken(self._next_step, None, "another member asked for a membership change")
         if isinstance(report, list):
             raise PeerLost(report)
-        if departure(report) and not (self._stepping and self._operations_done >= report.operations):
+        if departure(report) and not (self._op_scope is not None and self._operations_done >= report.operations):
             self._peer_left = report
             return
         over = self._operation_over
-        if self._stepping and report.step > self._next_step and over is not None:
+        if self._op_scope is not None and report.step > self._next_step and over is not None:
             # The peer failed in a later step than the one this rank is finishing: it took part
             # in every collective of this one, so this step completes (its update is consistent
             # everywhere) before the failure ends the session.
@@ -110,7 +110,7 @@ class SessionPeers:
         def deliver(news: FailureReport | list[LostRank]) -> None:
             self._peer_news.append(news)
             self._peer_news_arrived.set()
-            if not self._started and not departure(news):
+            if not self._life.opened and not departure(news):
                 self._abort.set()  # the start's collectives leave their waits
 
         runtime.track(self._whereabouts, lambda lost: loop.call_soon(deliver, lost))
@@ -163,12 +163,12 @@ class SessionPeers:
         what = self._collective_what
         if what is not None:
             return Whereabouts(last, what, waiting=True)
-        if self._failing or self._failure is not None:
+        if self._life.state in (SessionState.FAILING, SessionState.FAILED) or self._failure is not None:
             # Ending because a step or collective failed: a victim, not the rank others wait for.
             return Whereabouts(last, "ending after a failure", waiting=True)
-        if not self._started:
+        if not self._life.opened:
             return Whereabouts(last, "starting the session")
-        if not self._stepping:
+        if self._op_scope is None:
             return Whereabouts(last, "outside gsync")
         return locate(self._actors, last)
 
@@ -182,7 +182,7 @@ class SessionPeers:
         if runtime.store_unreachable():
             return  # a write to a store that does not answer would only hold the teardown up
         self._reported = failure
-        site = "fit" if self._started else SESSION_START
+        site = "fit" if self._life.opened else SESSION_START
         await self._in_setup(lambda: runtime.report(failure, site), None)
 
     async def _announce_departure(self) -> None:

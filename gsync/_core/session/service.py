@@ -30,6 +30,7 @@ from ...errors import SessionClosed
 from ...trace import MARK_TRACK, TraceEvent
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
+from .state import SessionState
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
 from ..elastic.departure import departed as _departed, on_sigterm_depart
 from ..elastic.membership import ElasticMembership
@@ -216,7 +217,7 @@ class SessionService:
         with _aborting(elastic.abort):
             await anyio.to_thread.run_sync(elastic.leave, abandon_on_cancel=True)
         self.closing = True
-        core.end_requested.set()
+        core.request_end()
         await self.wait_done()
         raise _departed(elastic, checkpoint)
 
@@ -261,7 +262,7 @@ class SessionService:
                 if self.elastic.leaving:
                     await self._depart(core, replace(checkpoint, data_position=core.data_position))
                 self._change = checkpoint
-                core.end_requested.set()
+                core.request_end()
         elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
             return core
         while self.core is core and not self.done.is_set():
@@ -319,15 +320,17 @@ class SessionService:
                 core.cancelled(error)  # closed as failed; peers hear of a cancellation, not of a departure
                 error = None
             reason = f"{busy_reason} while another task's call of this session ran"
-            if core.busy:
+            if core.state is SessionState.OPERATING:
                 core.close_operation(reason)
             if self.fit_scope is not None and self.fit_task != anyio.get_current_task().id:
                 core.close_operation(reason)  # a failure, so the fit's model is not written back either
                 self.fit_scope.cancel()
-            if self._end_with is None:
+            if self._end_with is None and not self.closing:
+                # The first close decides how the session ends: a call refused by a session already closing
+                # (cleanly, by another task's aclose) does not make that close a failed one.
                 self._end_with = error
             self.closing = True
-            core.end_requested.set()
+            core.request_end()
         await self.wait_done()
         pending = self.take_pending()
         if pending is None:
@@ -377,7 +380,7 @@ class SessionService:
         if self._end_with is None:
             self._end_with = SessionClosed(why)
         self.closing = True
-        core.end_requested.set()
+        core.request_end()
 
     def log_if_pending(self) -> None:
         """Once a dropped session has closed: a failure nobody will ever raise is logged instead."""

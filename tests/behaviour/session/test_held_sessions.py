@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gsync
+from gsync._core.session.state import SessionState
 import gsync.testing
 from gsync_pytest import gsync_threads
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
@@ -111,7 +112,7 @@ async def test_session_model_holds_the_weights_of_the_last_step_and_leaves_the_m
 
         # Read from another task while a step runs: as of the last read, then refreshed as the step is applied.
         step = asyncio.get_running_loop().create_task(session.step(batches[1]))
-        while not session._core.busy:
+        while session._core.state is not SessionState.OPERATING:
             await asyncio.sleep(0)
         assert_same_state(session.model, after_one)
         await step

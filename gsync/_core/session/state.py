@@ -1,0 +1,110 @@
+"""A session core's lifecycle: one state, every transition made through one method, the others refused.
+
+::
+
+    OPENING ──► IDLE ◄──► OPERATING
+       │         │  ╲        │  ╲
+       │         │   ╲───────┼───► CLOSING ──► CLOSED
+       │         ▼           ▼        │          ▲
+       └──────► FAILING ◄─────────────┘          │
+                   └──► FAILED ──────────────────┘
+
+What each state answers, asked by the operations, the peers protocol and
+the service:
+
+- ``OPENING``: the process group, the replicas and the assembly are being
+  built; a call is refused (the session is not open yet).
+- ``IDLE``: open, between calls; a call may start.
+- ``OPERATING``: a step, evaluate or all_reduce runs; another is refused
+  (one call at a time), a read of the model is refreshed after it.
+- ``FAILING``: the session's task group failed, and the failure is being
+  settled (threads stopped, the failure picked, reported, checkpointed); a
+  call waits for it and raises it.
+- ``FAILED``: settled; calls raise the failure once, then ``SessionClosed``.
+- ``CLOSING``: its end was asked for (``aclose``, a drop, a failure an
+  operation chose, a membership change): no call starts, though the
+  session has not ended yet.
+- ``CLOSED``: everything it started has stopped.
+
+A transition the design does not allow is a bug in gsync, raised as
+:class:`LifecycleError` where it is made, never carried on from.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+__all__ = ("ALLOWED", "Lifecycle", "LifecycleError", "SessionState")
+
+
+class SessionState(enum.Enum):
+    OPENING = "opening"
+    IDLE = "idle"
+    OPERATING = "operating"
+    FAILING = "failing"
+    FAILED = "failed"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_S = SessionState
+ALLOWED: Mapping[SessionState, frozenset[SessionState]] = {
+    # A start may fail (its collectives, a peer), be closed while it runs, or be cut short by a cancellation.
+    _S.OPENING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING, _S.CLOSED}),
+    _S.IDLE: frozenset({_S.OPERATING, _S.FAILING, _S.CLOSING}),
+    _S.OPERATING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING}),
+    # Closed from FAILING only when a cancellation cuts the settling short: teardown still runs.
+    _S.FAILING: frozenset({_S.FAILED, _S.CLOSED}),
+    _S.FAILED: frozenset({_S.CLOSED}),
+    # Devices that fail while a close winds them down are settled as any failure is.
+    _S.CLOSING: frozenset({_S.FAILING, _S.CLOSED}),
+    _S.CLOSED: frozenset(),
+}
+
+
+class LifecycleError(RuntimeError):
+    """A session core was asked for a transition its lifecycle does not allow: a bug in gsync."""
+
+
+class Lifecycle:
+    """The state of one session core; :meth:`move` is the only way it changes."""
+
+    __slots__ = ("_state", "_opened")
+
+    def __init__(self) -> None:
+        self._state = SessionState.OPENING
+        self._opened = False
+
+    @property
+    def state(self) -> SessionState:
+        return self._state
+
+    @property
+    def opened(self) -> bool:
+        """The start finished (the session reached ``IDLE`` once): what it reports to peers is the fit's, not the start's."""
+        return self._opened
+
+    def move(self, to: SessionState) -> None:
+        """Make the transition to ``to``.
+
+        :raises LifecycleError: when the lifecycle does not allow it from the current state.
+        """
+        if to not in ALLOWED[self._state]:
+            raise LifecycleError(f"a session core cannot go from {self._state.value} to {to.value}")
+        self._state = to
+        if to is SessionState.IDLE:
+            self._opened = True
+
+    def end_asked(self) -> None:
+        """Its end was asked for: no call starts from now on (nothing changes once it is failing or ending)."""
+        if self._state in (SessionState.OPENING, SessionState.IDLE, SessionState.OPERATING):
+            self.move(SessionState.CLOSING)
+
+    def operation_over(self) -> None:
+        """An operation returned or raised: back to ``IDLE``, unless the session failed or is ending meanwhile."""
+        if self._state is SessionState.OPERATING:
+            self.move(SessionState.IDLE)
+
+    def __repr__(self) -> str:
+        return f"<Lifecycle {self._state.value}>"
