@@ -57,7 +57,9 @@ def connection_lost(error: BaseException) -> bool:
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         store_error = isinstance(current, (dist.DistStoreError, dist.DistNetworkError))
-        if isinstance(current, RuntimeError) and not store_error and any(text in str(current) for text in _CONNECTION_LOST):
+        # A gsync error's str() ends with its cause's message, which the chain reaches next, as what it is.
+        own_message = str(current.args[0]) if isinstance(current, GsyncError) and current.args else str(current)
+        if isinstance(current, RuntimeError) and not store_error and any(text in own_message for text in _CONNECTION_LOST):
             return True
         current = current.__cause__ or current.__context__
     return False

@@ -121,6 +121,10 @@ def test_only_gloo_saying_a_peers_connection_closed_is_proof_that_a_member_is_go
     # The store's own socket errors say nothing of the members.
     assert not connection_lost(dist.DistStoreError("Connection reset by peer"))
     assert not connection_lost(gsync.SyncFailed(4, None))
+    # Nor under a gsync error, whose message ends with its cause's.
+    wrapped = gsync.SyncFailed(4, None)
+    wrapped.__cause__ = dist.DistStoreError("Connection reset by peer")
+    assert not connection_lost(wrapped)
 
 
 @pytest.mark.timeout(60)
