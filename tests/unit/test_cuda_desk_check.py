@@ -4,13 +4,16 @@ Each CPU case runs the real code on real torch objects; the few stand-ins
 refuse what torch refuses (a collective that rejects complex tensors as NCCL
 does, an event with exactly ``torch.cuda.Event.query``'s signature). What
 only a GPU can tell is in the CUDA cases at the end (skipped here) and in
-``tools/gpu_check.py``.
+``tools/gpu_check.py``, whose own logic (its plan, what it skips on one GPU
+and why, how its ``nosync`` part tells a step's synchronizations from those
+at open and close) is tested here too, so the script works when a GPU comes.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -340,6 +343,85 @@ async def test_a_scaled_step_reports_its_skip_without_reading_the_scale(
 
 
 # --------------------------------------------------------------------------------------------------
+# The GPU check's own logic (tools/gpu_check.py), which must work before a GPU is at hand
+# --------------------------------------------------------------------------------------------------
+
+
+def test_the_gpu_check_runs_as_a_script_and_explains_itself() -> None:
+    import subprocess
+    import sys
+
+    from tools.gpu_check import PARTS, ROOT
+
+    completed = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert completed.returncode == 0, completed.stderr
+    for part in PARTS:
+        assert f"  {part} " in completed.stdout
+
+
+def test_the_gpu_check_plans_what_one_gpu_skips_and_why(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.gpu_check import DEFAULT_BUDGET, GATES, PARTS, main
+
+    assert sum(PARTS.values()) <= DEFAULT_BUDGET, "a hung part would leave the last parts no time"
+    assert main(["--plan", "--gpus", "1"]) == 0
+    one = capsys.readouterr().out
+    for label in GATES:
+        assert f"{label}: SKIPPED (needs 2 GPUs, this machine has 1)" in one
+    assert main(["--plan", "--gpus", "2"]) == 0
+    assert "SKIPPED" not in capsys.readouterr().out
+    assert main(["--plan", "--gpus", "0", "--only", "versions,nosync,nonsense"]) == 1
+    none = capsys.readouterr().out.splitlines()
+    assert none[0].startswith("nonsense: FAILED unknown part")
+    assert none[1:3] == ["versions: runs, timeout 20 s", "nosync: SKIPPED (no CUDA device on this machine)"]
+    with pytest.raises(SystemExit):
+        main(["--gpus", "1"])  # a machine's GPUs are counted, not told, outside --plan
+
+
+def test_every_check_the_gpu_parts_gate_is_planned() -> None:
+    import re
+
+    from tools.gpu_check import GATES, ROOT
+
+    used = {
+        label
+        for path in sorted((ROOT / "tools").glob("gpu_*.py"))
+        for label in re.findall(r'\bgate\(\s*"([^"]+)"', path.read_text(encoding="utf-8"))
+    }
+    assert used == set(GATES)
+
+
+def test_the_nosync_part_tells_steps_from_open_and_close_and_from_the_grad_scaler() -> None:
+    from tools.gpu_parts import GRAD_SCALER, SYNC_WARNING, SyncCalls
+
+    calls = SyncCalls()
+
+    def synchronizing_call() -> None:
+        warnings.warn(SYNC_WARNING, stacklevel=1)
+
+    def in_a_worker_thread() -> None:
+        thread = threading.Thread(target=synchronizing_call)
+        thread.start()
+        thread.join(timeout=10)
+
+    scaler_code = compile("synchronizing_call()", f"/site-packages/{GRAD_SCALER}", "exec")
+    with calls.watching(cuda=False):
+        synchronizing_call()  # at open
+        calls.stepping.set()
+        in_a_worker_thread()
+        in_a_worker_thread()
+        exec(scaler_code, {"synchronizing_call": synchronizing_call})
+        warnings.warn("something else entirely", stacklevel=1)
+        calls.stepping.clear()
+        synchronizing_call()  # at close
+    assert sum(calls.outside.values()) == 2
+    assert sum(calls.inside.values()) == 2 and sum(calls.grad_scaler.values()) == 1
+    (site,) = calls.inside
+    assert site.startswith("tests/unit/test_cuda_desk_check.py:") and site.endswith(" synchronizing_call")
+
+
+# --------------------------------------------------------------------------------------------------
 # On a GPU (tools/gpu_check.py runs these)
 # --------------------------------------------------------------------------------------------------
 
@@ -463,4 +545,5 @@ print(torch._C._cuda_hasPrimaryContext(0), tensor.cpu().tolist())
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.strip() == "False [1.5, 1.5, 1.5, 1.5]"
+
 
