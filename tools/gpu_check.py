@@ -90,8 +90,8 @@ PARTS: dict[str, float] = {  # part -> timeout in seconds; the sum stays under t
     "bandwidth": 35,  # 6 s before the breakdown
     "nosync": 35,
     "loop": 35,
-    "transformer": 75,
-    "launch": 50,
+    "transformer": 70,
+    "launch": 55,
     "multiproc": 60,
 }
 DEFAULT_BUDGET = 480.0

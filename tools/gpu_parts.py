@@ -595,7 +595,7 @@ def part_multiproc() -> None:
         return one_process[0]
 
     def compare(label: str, config: dict[str, Any], devices: list[str], caveat: str | None = None) -> None:
-        outcomes, codes = _run_ranks(dict(config, steps=steps), devices, timeout=40)
+        outcomes, codes = _run_ranks(dict(config, steps=steps), devices, timeout=35)
         failed = _describe_ranks(outcomes, codes)
         if failed:
             for outcome in outcomes:
@@ -634,7 +634,7 @@ def _elastic_kill(devices: list[str]) -> None:
     expected = {name: p.detach().cpu() for name, p in reference.named_parameters()}
     # Hosted here, outside the ranks, as torchrun's agent hosts it: losing a rank must not lose the store.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    outcomes, codes = _run_ranks({"mode": "elastic", "steps": steps, "die": die}, devices, 60, store.port)
+    outcomes, codes = _run_ranks({"mode": "elastic", "steps": steps, "die": die}, devices, 45, store.port)
     survivor = outcomes[0]
     if codes[1] != -signal.SIGKILL or survivor is None or not survivor["ok"]:
         if survivor is not None and not survivor["ok"]:
