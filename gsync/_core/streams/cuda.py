@@ -63,7 +63,18 @@ def on_device(stream: torch.cuda.Stream) -> Iterator[None]:
     another GPU. ``torch.cuda.device`` restores the previous device only
     where it already has a context, so entering it first keeps the thread
     off devices it does not use.
+
+    Where ``stream``'s device is already selected and ``stream`` already
+    current on it, nothing is entered: leaving would restore just that. The
+    sync server enters every comm stream around a collective, which enters
+    its device's comm stream again for each bucket.
     """
+    if (
+        torch.cuda.current_device() == stream.device.index
+        and torch.cuda.current_stream(stream.device).cuda_stream == stream.cuda_stream
+    ):
+        yield
+        return
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
         yield
 

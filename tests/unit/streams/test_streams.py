@@ -29,6 +29,7 @@ import torch
 
 import gsync
 from gsync._core.streams import CudaStreamSync, HostStreamSync, StreamOrderError, StreamSync, make_stream_sync
+from gsync._core.streams.cuda import on_device
 from tests.support.cuda import cuda_devices, in_thread, long_kernel, needs_cuda, warm_kernels
 
 
@@ -779,6 +780,40 @@ def test_cuda_threads_gsync_owns_get_no_context_on_a_device_they_do_not_use(fake
     for role in (backward, communicate, apply):
         in_thread(role)
     assert fake_cuda.contexts == {1}
+    sync.close()
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_comm_stream_entered_again_inside_comm_streams_is_left_as_it_is(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, devices: int
+) -> None:
+    """The collective enters each device's comm stream again inside the server's comm_streams(): where that device
+    is still the selected one, nothing is entered twice, and the work lands on the comm streams all the same."""
+    sync = CudaStreamSync([f"cuda:{d}" for d in range(devices)], 1)
+    entered: list[FakeStream] = []
+    stream_context = fake_cuda.stream
+
+    def counted(stream: FakeStream) -> Any:
+        entered.append(stream)
+        return stream_context(stream)
+
+    monkeypatch.setattr(torch.cuda, "stream", counted)
+
+    def communicate() -> list[Op]:
+        with sync.comm_streams():
+            launched = []
+            for device in range(devices):
+                with on_device(sync.comm_cuda_stream(device)):  # type: ignore[arg-type]
+                    launched.append(fake_cuda.launch("prepare", device))
+            return launched
+
+    launched = in_thread(communicate)
+    comm = [sync.comm_cuda_stream(d) for d in range(devices)]
+    assert [op.stream for op in launched] == [stream.cuda_stream for stream in comm]
+    # comm_streams() enters each device's comm stream; then only the devices it left unselected are entered again:
+    # none of one, the first of two (it selects each in turn, the last stays selected).
+    assert entered == comm + comm[: devices - 1]
+    assert fake_cuda.contexts <= set(range(devices))
     sync.close()
 
 
