@@ -296,6 +296,10 @@ class Engine:
     async def aclose(self) -> None:
         """Close the session this engine has open, if any, as :meth:`gsync.Session.aclose` does.
 
+        A call of that session running in another task, a fit included, is
+        ended with :class:`~gsync.SessionClosed` and the model left as it
+        was. Finishes even if the calling task is cancelled meanwhile.
+
         :raises: what :meth:`gsync.Session.aclose` raises: a failure that no call has raised yet.
         """
         service = self._slot.service
@@ -377,7 +381,12 @@ class Engine:
 
         Cancelling the calling task (``anyio.move_on_after``, ``Task.cancel``,
         a notebook interrupt) stops every actor and worker thread and
-        propagates the cancellation; the engine can ``fit`` again.
+        propagates the cancellation, within about half a second whatever the
+        devices do (a thread stuck in native code is left behind, named in a
+        warning); one that arrives while ``fit`` is already raising a failure
+        is delivered at the caller's next ``await``. The engine can ``fit``
+        again. With ``Engine(elastic=...)`` a membership change mid-fit redoes
+        the interrupted step over the new membership and the fit goes on.
 
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
             input; for anything checkable up front, before any work starts.
@@ -391,8 +400,13 @@ class Engine:
         resume = resume_argument(resume, checkpoint_dir)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
-        with cancellation_kept():
-            async with SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data)) as session:
+        with cancellation_kept(
+            "gsync: the fit was cancelled: every device stopped and the model is left as it was; fit again, with "
+            "checkpoint_dir= and resume= to go on from the last checkpoint file"
+        ):
+            async with SessionOpener(
+                self._slot, self._settings(), model, recipe, resume, bool(process_local_data), for_fit=True
+            ) as session:
                 result = await session._fit(data, settings, result_model=model)
         return result
 

@@ -43,10 +43,9 @@ import math
 import os
 import sys
 import threading
-import time
 import warnings
 import weakref
-from collections.abc import AsyncIterable, Awaitable, Callable, Generator, Iterable, Sequence
+from collections.abc import AsyncIterable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -59,9 +58,7 @@ from ._core.session.service import SessionService, SessionSlot
 from ._core.settings import EngineSettings
 from .checkpoint import Checkpoint
 from ._core.step.context import Recipe
-from .elastic import MembershipChange
-from .errors import ConfigError, GsyncError, SessionClosed
-from ._core.elastic.recovery import recoverable
+from .errors import ConfigError, SessionClosed
 from ._core.session.fit import run_fit
 from ._core.session.fit_settings import FitLoopSettings
 from ._core.session.cancelling import cancellation_kept
@@ -71,6 +68,12 @@ from .trace import Trace
 from .types import MetricFn
 
 __all__ = ("Session", "SessionOpener", "StepResult")
+
+_CALL_CANCELLED = (
+    "gsync: this cancellation closed the session (a call cancelled midway leaves the devices apart); the next call "
+    "raises SessionClosed with .checkpoint: open a new session with resume=that checkpoint to go on"
+)
+_CLOSE_CANCELLED = "gsync: the session was closed all the same (a close that has begun finishes)"
 
 # Held services, until they end: the event loop keeps only weak references to its tasks.
 _HELD: set[asyncio.Task[None]] = set()
@@ -86,15 +89,19 @@ class Session:
     another thread or another event loop is a :class:`~gsync.ConfigError`.
     """
 
-    def __init__(self, service: SessionService, core: SessionCore, *, scoped: bool) -> None:
+    def __init__(self, service: SessionService, *, scoped: bool) -> None:
         self._service = service
-        self._core = core
         self._scoped = scoped
         self._thread = threading.get_ident()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None  # trio: one run per thread, so the thread check is the loop check
+
+    @property
+    def _core(self) -> SessionCore:
+        """The core serving the session now: the service's (an elastic run's changes replace it)."""
+        return self._service.serving
 
     # -- what the session holds ------------------------------------------------------
 
@@ -181,9 +188,21 @@ class Session:
         the backward passes before the last move no bytes. Returns once every
         local replica has applied the step.
 
-        Cancelled midway, the step is abandoned and the session closed (see
-        :mod:`gsync.session`); a bad batch is refused before anything is
-        dispatched, and the session stays open.
+        A bad batch is refused before anything is dispatched, and the
+        session stays open.
+
+        - Cancelled: the step is abandoned, the session closed (peers told)
+          and the cancellation propagates, within about half a second
+          whatever the devices do (a thread stuck in native code is left
+          behind, named in a warning). One that arrives while the step is
+          already raising a failure is delivered at your next ``await``.
+        - A failure settled while no call ran (a peer lost between calls) is
+          raised by this call, before anything is dispatched.
+        - A membership change mid-step (``Engine(elastic=...)``) redoes the
+          step over the new membership from the last consistent state, on the
+          same global batch, and returns its result; if the new membership
+          starts past it (a member that applied it handed its state over), the
+          result has ``loss=nan``.
 
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for a bad
             batch (before anything is dispatched), when called while another
@@ -193,9 +212,9 @@ class Session:
             failure settled since the last call; the session is closed afterwards.
         """
         self._check_call()
-        with cancellation_kept():
+        with cancellation_kept(_CALL_CANCELLED):
             try:
-                result = await self._step(batches, last=False)
+                result = await self._service.step(batches, last=False)
                 if result is None:
                     # The new membership started after this step: a member that had applied it handed its state over.
                     core = self._core
@@ -205,59 +224,9 @@ class Session:
                 await self._closed_by(error)
                 raise
 
-    async def _step(
-        self,
-        batches: Sequence[Any],
-        last: bool,
-        on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
-        expected: int | None = None,
-    ) -> StepResult | None:
-        """Step ``expected`` (default: the next one); in an elastic run, carried across membership changes.
-
-        After a change the step is redone over the next generation, unless
-        that generation starts past it (a member that applied it handed its
-        state over, or this rank was taken back in later): then ``None``.
-        """
-        service = self._service
-        elastic = service.elastic
-        if elastic is None:
-            return await self._core.step(batches, last=last)
-        changes = len(elastic.changes)
-        since = self._core.last_applied_at
-        step = self._core.next_step if expected is None else expected
-        while True:
-            self._core = await service.current_core(self._core)
-            for change in elastic.changes[changes:]:
-                changes += 1
-                if on_change is not None:
-                    await on_change(change)
-            core = self._core
-            if core.next_step > step:
-                return None
-            try:
-                result = await core.step(batches, last=last)
-            except GsyncError as error:
-                if not recoverable(error):
-                    raise
-                if since is None:
-                    since = core.last_applied_at
-                continue
-            if since is not None and elastic.changes and elastic.changes[-1].step == result.step:
-                elastic.applied(result.step, time.monotonic() - since)
-            return result
-
-    @property
-    def _elastic(self) -> bool:
-        return self._service.elastic is not None
-
-    def _membership_changes(self) -> tuple[MembershipChange, ...]:
-        elastic = self._service.elastic
-        return () if elastic is None else tuple(elastic.changes)
-
     async def _after_change(self) -> SessionCore:
         """The core serving the session now (an elastic run's change, if one is due, made first)."""
-        self._core = await self._service.current_core(self._core)
-        return self._core
+        return await self._service.serving_core()
 
     async def fit(
         self,
@@ -287,9 +256,18 @@ class Session:
         and ``epochs`` counts the run's epochs, those before the checkpoint too.
 
         A :class:`~gsync.StopTraining` from a callback ends the call early,
-        normally, and the session stays open. Cancelling the call, a failure,
-        or any other exception from a callback closes the session (the
-        exception propagates unchanged).
+        normally, and the session stays open. A failure, or any other
+        exception from a callback, closes the session (the exception
+        propagates unchanged).
+
+        - Cancelled: the fit stops, the session is closed and the
+          cancellation propagates, as for :meth:`step` (a checkpoint file due
+          for a step already applied is still written).
+        - A failure settled while no call ran is raised before the first step.
+        - Closed from another task (``aclose``): the fit raises
+          :class:`~gsync.SessionClosed` and the model is left as it was.
+        - A membership change mid-fit redoes the interrupted step over the new
+          membership and goes on; ``on_membership_change`` callbacks hear of it.
 
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
             arguments, before any step (the session stays open).
@@ -297,28 +275,21 @@ class Session:
         """
         self._check_call()
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
-        with cancellation_kept():
+        with cancellation_kept(_CALL_CANCELLED):
             return await self._fit(data, settings)
 
     async def _fit(self, data: Iterable[Any] | AsyncIterable[Any], settings: FitLoopSettings, result_model: nn.Module | None = None) -> FitResult:
         service = self._service
-        if service.fit_scope is not None and not service.closing:
-            raise ConfigError("fit() while another task's fit of this session runs: await it before the next call")
-        # The whole fit is one call: another task's step, evaluate or fit is refused until it ends, and a close
-        # from another task ends it (the fit's own callbacks may use the session).
-        scope = service.fit_scope = anyio.CancelScope()
-        service.fit_task = anyio.get_current_task().id
         try:
-            with scope:
-                return await run_fit(self, await self._after_change(), data, settings, result_model, carry=self)
+            # The whole fit is one call: another task's step, evaluate or fit is refused until it ends, and a close
+            # from another task ends it (the fit's own callbacks may use the session).
+            with service.fit_running():
+                return await run_fit(self, await self._after_change(), data, settings, result_model, carry=service)
             raise self._core.failure or SessionClosed("the fit was ended by a close from another task")
         except BaseException as error:
             # A fit that raised, whatever raised it, leaves the ranks' loops apart: the session ends with it.
             await self._service.close(error)
             raise
-        finally:
-            service.fit_scope = None
-            service.fit_task = None
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
         """Evaluate on every global batch of ``data``, in eval mode and without gradients; global row-weighted means.
@@ -344,6 +315,10 @@ class Session:
         closes the session, as a failed :meth:`step` does: across processes
         the ranks' evaluations no longer match. The error carries the
         checkpoint of the last step (``error.checkpoint``) to resume from.
+        Cancelled, it closes the session and the cancellation propagates, as
+        for :meth:`step`; a failure settled while no call ran is raised
+        before any batch is read; a membership change due before the call is
+        made first.
 
         :raises ~gsync.InputTypeError: for ``data`` that is not an iterable of batches, or a ``metric_fn`` that
             is not callable (before any work, the session stays open).
@@ -353,7 +328,7 @@ class Session:
         :raises ~gsync.ConfigError: for a bad batch, an empty ``data``, or a closed session.
         """
         self._check_call()
-        with cancellation_kept():
+        with cancellation_kept(_CALL_CANCELLED):
             try:
                 return await (await self._after_change()).evaluate(data, metric_fn=metric_fn)
             except BaseException as error:
@@ -373,11 +348,15 @@ class Session:
         an integer or bool one). In one process ``sum``, ``max`` and ``min``
         return the value itself.
 
+        Cancelled, it closes the session and the cancellation propagates, as
+        for :meth:`step`; a failure settled while no call ran is raised
+        first; a membership change due before the call is made first.
+
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
         """
         self._check_call()
-        with cancellation_kept():
+        with cancellation_kept(_CALL_CANCELLED):
             try:
                 return await (await self._after_change()).all_reduce(value, op)
             except BaseException as error:
@@ -400,9 +379,12 @@ class Session:
         """Close the session: the model you passed in receives the trained weights; every thread ends. Idempotent.
 
         After a failure (or a cancelled call) the model is left as it was.
-        A call still running in another task is ended first with
-        :class:`~gsync.SessionClosed`, and the model is left as it was.
-        Closing finishes even if the calling task is cancelled meanwhile.
+        A call still running in another task (a step, or a fit between its
+        steps) is ended first with :class:`~gsync.SessionClosed`, and the
+        model is left as it was. From the moment the close begins, every
+        call raises :class:`~gsync.SessionClosed`. Closing finishes even if
+        the calling task is cancelled meanwhile; that cancellation is raised
+        once the session is down.
 
         :raises ~gsync.PeerLost: or whichever failure ended the session while
             no call ran, if no call has raised it yet (with ``last_step`` and
@@ -410,7 +392,7 @@ class Session:
         :raises ~gsync.ConfigError: from another thread or event loop.
         """
         self._check_caller(closing=True)
-        with cancellation_kept():
+        with cancellation_kept(_CLOSE_CANCELLED):
             await self._service.close()
 
     async def __aenter__(self) -> Session:
@@ -445,7 +427,7 @@ class Session:
                 stacklevel=2,
             )
             # At once, not on the loop's next turn: an open right after the drop waits for this one to end.
-            service.closing = True
+            service.mark_closing()
 
         def drop() -> None:
             if dropped:
@@ -469,9 +451,8 @@ class Session:
     def _check_call(self) -> None:
         """A call that runs an operation: from the right thread and loop, and not beside another task's fit."""
         self._check_caller()
-        service = self._service
         # Once closed, every call says so (the core raises SessionClosed), though a fit may still be winding down.
-        if service.fit_scope is not None and service.fit_task != anyio.get_current_task().id and not service.closing:
+        if self._service.fit_runs_elsewhere():
             raise ConfigError(
                 "a call of this session while another task's fit() runs: a session does one thing at a time; "
                 "await the fit first (its callbacks may use the session)"
@@ -521,10 +502,13 @@ class SessionOpener:
         recipe: Recipe,
         resume: Checkpoint | None,
         process_local_data: bool,
+        *,
+        for_fit: bool = False,
     ) -> None:
         self._slot = slot
         self._settings = settings
         self._args = (model, recipe, resume, process_local_data)
+        self._for_fit = for_fit
         self._opened_at = _caller_location()
         self._entered = self._exiting = self._interrupted = False
         self._session: Session | None = None
@@ -542,13 +526,12 @@ class SessionOpener:
                 "a held session (`session = await engine.session(...)`) needs asyncio; on trio, use the scoped form, "
                 "`async with engine.session(...) as session:`"
             ) from None
-        service = await self._service()
-        service.held = not scoped
+        service = await self._service(held=not scoped)
         task = loop.create_task(service.run(), name=f"gsync session opened at {self._opened_at}")
         _HELD.add(task)
         task.add_done_callback(_HELD.discard)
-        core = await service.wait_open()
-        return Session(service, core, scoped=scoped)
+        await service.wait_open()
+        return Session(service, scoped=scoped)
 
     async def __aenter__(self) -> Session:
         if self._entered:
@@ -565,7 +548,7 @@ class SessionOpener:
         # Weakly: an opener whose block is never left (`await cm.__aenter__()` in a notebook) is dropped like a
         # held session, and warns.
         interrupt = weakref.WeakMethod(self._interrupt_block)
-        session._core.on_idle_failure = lambda: _call_if_alive(interrupt)
+        session._service.on_idle_failure(lambda: _call_if_alive(interrupt))
         return session
 
     def _interrupt_block(self) -> None:
@@ -573,7 +556,7 @@ class SessionOpener:
         task = self._block_task
         if task is not None and not self._exiting and not task.done() and self._session is not None:
             self._interrupted = True
-            self._session._service.block_interrupted = True
+            self._session._service.block_was_interrupted()
             task.cancel("gsync: the session failed while the block's code did something else")
 
     async def _enter_in_a_task_group(self) -> Session:
@@ -583,7 +566,7 @@ class SessionOpener:
         await group.__aenter__()
         try:
             group.start_soon(service.run)
-            core = await service.wait_open()
+            await service.wait_open()
         except BaseException as error:
             # The service has ended (wait_open waited for it); what opening raised is raised as itself, not in a group.
             if is_cancellation(error):
@@ -593,9 +576,9 @@ class SessionOpener:
             raise
         scope = anyio.CancelScope()
         scope.__enter__()
-        core.on_idle_failure = scope.cancel
+        service.on_idle_failure(scope.cancel)
         self._group = (group, scope)
-        session = self._session = Session(service, core, scoped=True)
+        session = self._session = Session(service, scoped=True)
         return session
 
     async def __aexit__(
@@ -646,26 +629,45 @@ class SessionOpener:
     def __exit__(self, *exc: object) -> None:
         """Never reached: :meth:`__enter__` refuses."""
 
-    async def _service(self) -> SessionService:
+    async def _service(self, held: bool = False) -> SessionService:
         # Looped: two openers waiting for the same closing session must not both open.
         while (open_one := self._slot.service) is not None and not open_one.done.is_set():
             if not open_one.closing:
-                raise ConfigError(
-                    f"this engine already has an open session (opened at {open_one.opened_at}); "
-                    "`await session.aclose()` it (or `await engine.aclose()`) before opening another"
-                )
+                raise ConfigError(_busy_engine(open_one, "a fit" if self._for_fit else "a session"))
             await open_one.done.wait()  # one that is closing (a dropped session) first ends
         model, recipe, resume, process_local_data = self._args
-        service = SessionService(self._settings, model, recipe, resume, process_local_data, self._opened_at)
+        service = SessionService(
+            self._settings, model, recipe, resume, process_local_data, self._opened_at, for_fit=self._for_fit, held=held
+        )
         self._slot.service = service
         return service
 
 
+def _busy_engine(running: SessionService, wanted: str) -> str:
+    """Why ``wanted`` cannot start: what the engine runs now, where it was started, and what to do."""
+    if running.for_fit:
+        where = f" (engine.fit called at {running.opened_at})" if running.opened_at != _UNKNOWN_PLACE else ""
+        return (
+            f"this engine is running a fit{where}, and runs one fit or session at a time: await that fit before "
+            f"starting {wanted}, or give concurrent training an Engine of its own"
+        )
+    return (
+        f"this engine already has an open session (opened at {running.opened_at}); "
+        "`await session.aclose()` it (or `await engine.aclose()`) before opening another"
+    )
+
+
+_UNKNOWN_PLACE = "an unknown place"
+# Frames of the event loop's own machinery: a task started with create_task(engine.fit(...)) has no caller of the
+# user's, and what lies beyond the loop (whatever started it) is no place to name either.
+_LOOP_MACHINERY = tuple(os.path.dirname(os.path.abspath(str(module.__file__))) + os.sep for module in (asyncio, anyio))
+
+
 def _caller_location() -> str:
-    """``file:line`` of the first frame outside gsync: where the user opened the session."""
+    """``file:line`` of the first frame outside gsync and the event loop: where the user opened the session."""
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame = frame.f_back  # type: ignore[assignment]
-    if frame is None:
-        return "an unknown place"
+    if frame is None or os.path.abspath(frame.f_code.co_filename).startswith(_LOOP_MACHINERY):
+        return _UNKNOWN_PLACE  # the task's first coroutine is gsync's: nothing of the user's awaits it
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 import anyio
 
@@ -35,22 +34,36 @@ __all__ = ("cancellation_kept",)
 _REDELIVERED = "gsync: a cancellation that arrived while the call ended another way, delivered at the next await"
 
 
-@contextmanager
-def cancellation_kept() -> Iterator[None]:
-    """Around a public call: a cancellation requested during it is delivered, if the call did not raise it."""
-    task = _current_asyncio_task()
-    if task is None:
-        yield
-        return
-    before = task.cancelling()
-    try:
-        yield
-    except BaseException as error:
-        if not is_cancellation(error):
-            _redeliver(task, before)
-        raise
-    else:
-        _redeliver(task, before)
+class cancellation_kept:  # noqa: N801 - used as a function, ``with cancellation_kept(...)``
+    """Around a public call: a cancellation requested during it is delivered, if the call did not raise it.
+
+    A cancellation that does leave the call (a notebook interrupt, above
+    all) leaves without gsync's own frames, which say only where the session
+    was waiting, and with ``note`` added: what the cancellation did to the
+    session and how to go on. The user's cell and this call remain in the
+    traceback. A class, not a generator: only an ``__exit__`` can drop the
+    frames it was raised through.
+    """
+
+    __slots__ = ("_note", "_task", "_before")
+
+    def __init__(self, note: str | None = None) -> None:
+        self._note = note
+        self._task = _current_asyncio_task()
+        self._before = 0 if self._task is None else self._task.cancelling()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None) -> None:
+        if error is not None and is_cancellation(error):
+            if not isinstance(error, BaseExceptionGroup):
+                error.__traceback__ = None
+                if self._note is not None and self._note not in getattr(error, "__notes__", ()):
+                    error.add_note(self._note)
+            return
+        if self._task is not None:
+            _redeliver(self._task, self._before)
 
 
 def _redeliver(task: asyncio.Task[object], before: int) -> None:

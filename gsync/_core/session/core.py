@@ -89,6 +89,7 @@ class SessionCore(SessionOperations):
         *,
         replay: bool | None = None,
         elastic: ElasticMembership | None = None,
+        on_idle_failure: Callable[[], None] | None = None,
     ) -> None:
         self._settings = settings
         self._elastic = elastic
@@ -127,7 +128,7 @@ class SessionCore(SessionOperations):
         self.end_requested = anyio.Event()
         """Set when the session should end: closed by its user, or failed (the service then leaves the task group).
         Set through :meth:`request_end` (or a failure), which also ends the lifecycle's serving."""
-        self.on_idle_failure: Callable[[], None] | None = None
+        self.on_idle_failure = on_idle_failure
         """Called once a failure that no operation waits for is settled (the scoped form cancels the user's block)."""
         self.replay_pending = resume is not None if replay is None else replay
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
@@ -371,14 +372,18 @@ async def open_session(
     process_local_data: bool,
     replay: bool | None = None,
     elastic: ElasticMembership | None = None,
+    on_idle_failure: Callable[[], None] | None = None,
 ) -> AsyncIterator[SessionCore]:
     """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
 
     ``replay``: a fit replays its data up to ``resume`` (default: whenever
     resuming; an elastic generation after the first continues the fit in
-    place). ``elastic``: the run this session is one generation of.
+    place). ``elastic``: the run this session is one generation of. ``on_idle_failure``: called once a failure
+    that no call waits for is settled.
     """
-    session = SessionCore(settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic)
+    session = SessionCore(
+        settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic, on_idle_failure=on_idle_failure
+    )
     raised: BaseException | None = None
     try:
         try:

@@ -38,12 +38,17 @@ if TYPE_CHECKING:
 __all__ = ("FitLoopSettings", "run_fit")
 
 class MembershipCarry(Protocol):
-    """What carries a fit across an elastic run's membership changes: the session handle."""
+    """What carries a fit across an elastic run's membership changes: the session's service."""
 
-    _core: SessionCore
-    """The core serving the session now (replaced at each change)."""
+    @property
+    def serving(self) -> SessionCore:
+        """The core serving the session now (replaced at each change)."""
 
-    async def _step(
+    @property
+    def elastic(self) -> object | None:
+        """The elastic run the session belongs to (``None`` outside one)."""
+
+    async def step(
         self,
         batches: Sequence[Any],
         last: bool,
@@ -51,10 +56,7 @@ class MembershipCarry(Protocol):
         expected: int | None = None,
     ) -> StepResult | None: ...
 
-    def _membership_changes(self) -> tuple[MembershipChange, ...]: ...
-
-    @property
-    def _elastic(self) -> bool: ...
+    def membership_changes(self) -> tuple[MembershipChange, ...]: ...
 
 
 async def run_fit(
@@ -83,14 +85,14 @@ async def run_fit(
     writer = (
         CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
         # An elastic run's rank 0 can change: every rank is ready to write, and the current rank 0 writes.
-        if checkpoints is not None and (core.rank == 0 or (carry is not None and carry._elastic))
+        if checkpoints is not None and (core.rank == 0 or (carry is not None and carry.elastic is not None))
         else None
     )
     loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry)
     # The fit reports the changes from its first step on: one made as its session opened (a rank lost while the
     # launch met, or the change that took this process into a running run) is its own; one made before an
     # earlier `session.step` is not.
-    changes_before = sum(change.step < core.next_step for change in carry._membership_changes()) if carry is not None else 0
+    changes_before = sum(change.step < core.next_step for change in carry.membership_changes()) if carry is not None else 0
     total = _total_steps(data, epochs, accumulate)
     replayed = core.next_step if resume is not None else 0  # a resumed run's bar starts where its checkpoint is
     display = Progress(total, core.next_step, replayed) if progress_wanted(settings.progress, core.rank) else None
@@ -118,7 +120,7 @@ async def run_fit(
         stats=core.stats,
         trace=core.trace,
         history=history,
-        membership=carry._membership_changes()[changes_before:] if carry is not None else (),
+        membership=carry.membership_changes()[changes_before:] if carry is not None else (),
     )
 
 
@@ -189,7 +191,7 @@ class _FitLoop:
     @property
     def core(self) -> SessionCore:
         """The core serving the session now."""
-        return self._core if self._carry is None else self._carry._core
+        return self._core if self._carry is None else self._carry.serving
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
@@ -199,7 +201,7 @@ class _FitLoop:
         async def changed(change: MembershipChange) -> None:
             await self.call("on_membership_change", self.session, change)
 
-        return await self._carry._step(batches, last, changed, step)
+        return await self._carry.step(batches, last, changed, step)
 
     async def call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:

@@ -16,17 +16,19 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from ...checkpoint import Checkpoint
 from ..step.context import Recipe
-from ...errors import SessionClosed
+from ...elastic import MembershipChange
+from ...errors import ConfigError, GsyncError, SessionClosed
+from ...result import StepResult
 from ...trace import MARK_TRACK, TraceEvent
 from .outcome import is_cancellation
 from .core import SessionCore, open_session
@@ -70,6 +72,9 @@ class SessionService:
         resume: Checkpoint | None,
         process_local_data: bool,
         opened_at: str,
+        *,
+        for_fit: bool = False,
+        held: bool = False,
     ) -> None:
         self._settings = settings
         self._model = model
@@ -78,6 +83,8 @@ class SessionService:
         self._process_local_data = process_local_data
         self.opened_at = opened_at
         """Where the user opened the session (``file:line``), for the errors and warnings that name it."""
+        self.for_fit = for_fit
+        """Opened by ``Engine.fit`` (not held by the user): what an engine that is busy says it runs."""
         self.core: SessionCore | None = None
         self._opened = anyio.Event()
         self.done = anyio.Event()
@@ -88,14 +95,15 @@ class SessionService:
         self._close_error: BaseException | None = None
         self.closing = False
         """A close was asked for (by ``aclose``, a drop, or a failure): the session is ending."""
-        self.held = False
+        self.held = held
         """Run in a task of its own (``await engine.session(...)``), not in the task group of an ``async with``."""
-        self.block_interrupted = False
+        self._block_interrupted = False
         """The scoped form cancelled its block's task because of a failure while no call ran."""
-        self.fit_scope: anyio.CancelScope | None = None
+        self._fit_scope: anyio.CancelScope | None = None
         """The scope of a ``session.fit`` in progress: a close from another task ends it."""
-        self.fit_task: object = None
+        self._fit_task: object = None
         """The task running that fit (its callbacks may call the session; other tasks may not)."""
+        self._on_idle_failure: Callable[[], None] | None = None
         self.elastic = (
             ElasticMembership(
                 settings.elastic, settings.store, settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S,
@@ -161,7 +169,7 @@ class SessionService:
         try:
             async with open_session(
                 self._settings, self._model, self._recipe, resume=resume, process_local_data=self._process_local_data,
-                replay=replay, elastic=elastic,
+                replay=replay, elastic=elastic, on_idle_failure=self._failed_while_idle,
             ) as core:
                 if self._scope.cancel_called:
                     # Closed while it opened, and the start had nothing left to await: it ends here, as a
@@ -272,6 +280,98 @@ class SessionService:
             raise error
         return _opened_core(self.core)
 
+    # -- what the handle asks of it ---------------------------------------------------
+
+    @property
+    def serving(self) -> SessionCore:
+        """The core serving the session now (the last one, once it has ended)."""
+        return _opened_core(self.core)
+
+    async def serving_core(self) -> SessionCore:
+        """The core serving the session now, an elastic run's due change made first (see :meth:`current_core`)."""
+        return await self.current_core(self.serving)
+
+    def membership_changes(self) -> tuple[MembershipChange, ...]:
+        """The elastic run's membership changes so far (none outside an elastic run)."""
+        return () if self.elastic is None else tuple(self.elastic.changes)
+
+    async def step(
+        self,
+        batches: Sequence[Any],
+        last: bool,
+        on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
+        expected: int | None = None,
+    ) -> StepResult | None:
+        """Step ``expected`` (default: the next one); in an elastic run, carried across membership changes.
+
+        After a change the step is redone over the next generation, unless
+        that generation starts past it (a member that applied it handed its
+        state over, or this rank was taken back in later): then ``None``.
+        """
+        elastic = self.elastic
+        core = self.serving
+        if elastic is None:
+            return await core.step(batches, last=last)
+        changes = len(elastic.changes)
+        since = core.last_applied_at
+        step = core.next_step if expected is None else expected
+        while True:
+            core = await self.current_core(core)
+            for change in elastic.changes[changes:]:
+                changes += 1
+                if on_change is not None:
+                    await on_change(change)
+            if core.next_step > step:
+                return None
+            try:
+                result = await core.step(batches, last=last)
+            except GsyncError as error:
+                if not recoverable(error):
+                    raise
+                if since is None:
+                    since = core.last_applied_at
+                continue
+            if since is not None and elastic.changes and elastic.changes[-1].step == result.step:
+                elastic.applied(result.step, time.monotonic() - since)
+            return result
+
+    @contextmanager
+    def fit_running(self) -> Iterator[anyio.CancelScope]:
+        """Around a ``session.fit``: the scope a close from another task cancels; another fit meanwhile is refused.
+
+        :raises ~gsync.ConfigError: while another task's fit of this session runs.
+        """
+        if self._fit_scope is not None and not self.closing:
+            raise ConfigError("fit() while another task's fit of this session runs: await it before the next call")
+        scope = self._fit_scope = anyio.CancelScope()
+        self._fit_task = anyio.get_current_task().id
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._fit_scope = None
+            self._fit_task = None
+
+    def fit_runs_elsewhere(self) -> bool:
+        """Another task's fit runs (its callbacks may call the session; other tasks may not), and no close began."""
+        return self._fit_scope is not None and self._fit_task != anyio.get_current_task().id and not self.closing
+
+    def on_idle_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once a failure that no call waits for is settled (the scoped form cancels its block)."""
+        self._on_idle_failure = callback
+
+    def _failed_while_idle(self) -> None:
+        if self._on_idle_failure is not None:
+            self._on_idle_failure()
+
+    def block_was_interrupted(self) -> None:
+        """The scoped form cancelled its block because of a failure while no call ran: its exit raises that failure."""
+        self._block_interrupted = True
+
+    def mark_closing(self) -> None:
+        """A dropped handle: the session is closing from now on (the drop itself is made on the loop's next turn)."""
+        self.closing = True
+
     async def wait_open(self) -> SessionCore:
         """Wait until the session serves, and return its core.
 
@@ -307,7 +407,7 @@ class SessionService:
         """
         core = self.core
         quiet = error is not None
-        if error is not None and is_cancellation(error) and self.block_interrupted:
+        if error is not None and is_cancellation(error) and self._block_interrupted:
             # The scoped block's own interrupt (a failure while it did something else): the block's exit
             # raises that failure, so it is neither a cancellation to report nor a failure to log here.
             await self.wait_done()
@@ -322,9 +422,9 @@ class SessionService:
             reason = f"{busy_reason} while another task's call of this session ran"
             if core.state is SessionState.OPERATING:
                 core.close_operation(reason)
-            if self.fit_scope is not None and self.fit_task != anyio.get_current_task().id:
+            if self._fit_scope is not None and self._fit_task != anyio.get_current_task().id:
                 core.close_operation(reason)  # a failure, so the fit's model is not written back either
-                self.fit_scope.cancel()
+                self._fit_scope.cancel()
             if self._end_with is None and not self.closing:
                 # The first close decides how the session ends: a call refused by a session already closing
                 # (cleanly, by another task's aclose) does not make that close a failed one.

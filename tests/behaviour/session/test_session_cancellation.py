@@ -10,6 +10,7 @@ import asyncio
 import copy
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import anyio
@@ -251,3 +252,20 @@ async def test_a_step_asked_for_after_a_close_began_is_refused(no_leaks: None) -
 def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
     """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
     session._core._server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
+
+
+async def test_a_cancelled_call_leaves_without_gsyncs_frames_and_says_what_it_did(no_leaks: None) -> None:
+    """A notebook interrupt shows the user's cell, the call, and one note: the session closed, how to go on."""
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(1, 1, "backward")
+    with gsync.testing.inject(engine, fault):
+        session = await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+        await session.step(make_batches(1, 8)[0])
+        task = asyncio.create_task(session.step(make_batches(1, 8)[0]))
+        cancel_when_reached(fault, task.cancel)
+        with pytest.raises(asyncio.CancelledError) as caught:
+            await task
+        frames = [frame.filename for frame in traceback.extract_tb(caught.value.__traceback__)]
+        assert not any("/gsync/_core/" in name for name in frames), frames
+        assert any("closed the session" in note and "resume=" in note for note in caught.value.__notes__)
+        await session.aclose()

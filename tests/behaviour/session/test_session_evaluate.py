@@ -135,7 +135,7 @@ async def test_evaluate_data_that_fails_raises_data_failed_and_closes_the_sessio
             await session.step(make_batches(1, 8)[0])
     error = caught.value
     failed_batch = 0 if data is _FailsToStart else 1
-    assert str(error) == f"evaluate after step 0: reading batch {failed_batch} (from 0) of its data failed"
+    assert str(error) == f"evaluate after step 0: reading batch {failed_batch} (from 0) of its data failed: OSError: val shard missing"
     assert error.batch == failed_batch
     assert error.site == "evaluate" and error.step == 0 and isinstance(error.__cause__, OSError)
     assert error.checkpoint is not None and error.checkpoint.step == 0

@@ -176,3 +176,37 @@ async def test_cancelling_one_step_midway_closes_the_session(no_leaks: None) -> 
             with pytest.raises(gsync.SessionClosed, match="cancelled midway"):
                 await session.step(make_batches(1, 8)[0])
     assert gsync_threads() == []
+
+
+async def test_two_fits_at_once_on_one_engine_name_the_running_fit_not_asyncio() -> None:
+    """The second fit is refused before any work, saying a fit runs and what to do; no place inside asyncio."""
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=0, step=0, site="forward")
+    with gsync.testing.inject(engine, fault):
+        first = asyncio.create_task(engine.fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss))
+        await anyio.to_thread.run_sync(fault.reached.wait, 10)
+        with pytest.raises(gsync.ConfigError, match="is running a fit") as refused:
+            await engine.fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
+        assert "asyncio" not in str(refused.value) and "open session" not in str(refused.value)
+        assert "Engine of its own" in str(refused.value)
+        with pytest.raises(gsync.ConfigError, match="is running a fit"):
+            await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+        fault.release.set()
+        result = await first
+    assert len(result.losses) == 2
+
+
+async def test_a_fit_called_from_the_users_code_is_named_by_its_line() -> None:
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.stall(device=0, step=0, site="forward")
+    with gsync.testing.inject(engine, fault):
+
+        async def train() -> None:
+            await engine.fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
+
+        first = asyncio.create_task(train())
+        await anyio.to_thread.run_sync(fault.reached.wait, 10)
+        with pytest.raises(gsync.ConfigError, match=r"engine.fit called at .*test_session_lifecycle.py:\d+"):
+            await engine.fit(TiedNet(), make_batches(2, 8), optimizer=sgd, loss_fn=classification_loss)
+        fault.release.set()
+        await first
