@@ -180,7 +180,8 @@ class Engine:
         if self.elastic is not None and any(spec.torch_device.type == "cuda" for spec in self.devices):
             logger.warning(
                 "gsync: elastic=... on CUDA devices re-forms NCCL groups and aborts the old communicator after a "
-                "loss; this path has not been run on a GPU yet (see the elastic runs page of the docs)"
+                "loss; a world of one has trained on a GPU, but re-forming NCCL groups after a loss has not run on "
+                "GPUs yet (see the elastic runs page of the docs)"
             )
         plan = plan_device_threads(self.devices, device_threads)
         self.device_threads: Literal["shared", "per_device"] = plan.device_threads
