@@ -1,6 +1,6 @@
 """The one protocol every gradient transport implements.
 
-Keeping it to two operations is deliberate: each implementation (in-process
+Keeping it to a few operations is deliberate: each implementation (in-process
 CPU, NCCL, torch.distributed) implements all of it and passes the same
 conformance cases (``tests/unit/comm/test_conformance.py``, run in-process, on
 CUDA devices and across processes), so no backend can leave an operation out.
@@ -60,6 +60,22 @@ class Collective(Protocol):
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         """Overwrite every tensor with the first device's (global device 0), in place."""
+        ...
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """Give each device the weighted sum of its own shard of the buffer, in place (``shard_optimizer=True``).
+
+        ``tensors[i]`` is local device ``i``'s whole buffer; its shard is range ``shard_bounds(numel,
+        world_devices)[g]`` of it, ``g`` its global device index (one split for every transport: see
+        :mod:`gsync._core.transports.sharding`). Afterwards that range holds the weighted sum over all
+        devices of the same range, weighted and with zero-weight devices left out as in :meth:`all_reduce`;
+        the rest of the buffer is unspecified (a transport may leave it or reduce it too).
+        """
+        ...
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Give every device every shard, in place: afterwards each buffer holds, in each device's shard range
+        (as :meth:`reduce_scatter` splits it), that device's values, so all buffers are equal."""
         ...
 
     def close(self) -> None:

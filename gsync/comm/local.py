@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .._core.transports.capabilities import IN_PLACE
+from .._core.transports.sharding import shard_bounds
 
 __all__ = ("LocalCollective",)
 
@@ -49,24 +50,7 @@ class LocalCollective:
         elements here than in a flat buffer, may round differently).
         """
         first = list(tensors[0])
-        # A zero-weight device (an empty shard) is left out rather than
-        # multiplied by zero, so whatever its tensors hold (even inf) cannot
-        # turn the sum into NaN.
-        terms = [index for index, weight in enumerate(weights) if weight != 0.0]
-        if not terms:
-            torch._foreach_zero_(first)
-        elif terms == [0] and weights[0] == 1.0:
-            pass  # one device with all the rows: the sum is already in place
-        elif len(terms) == 2 and terms[0] == 0 and abs(weights[0] + weights[terms[1]] - 1.0) < 1e-12:
-            # w0*a + w1*b == a + w1*(b - a) when the weights sum to one: one fused pass.
-            torch._foreach_lerp_(first, list(tensors[terms[1]]), weights[terms[1]])
-        else:
-            lead, rest = terms[0], terms[1:]
-            if lead != 0:
-                torch._foreach_copy_(first, list(tensors[lead]))
-            torch._foreach_mul_(first, weights[lead])
-            for index in rest:
-                torch._foreach_add_(first, list(tensors[index]), alpha=weights[index])
+        _weighted_sum_into(first, tensors, weights)
         for device in tensors[1:]:
             torch._foreach_copy_(list(device), first)
 
@@ -74,5 +58,57 @@ class LocalCollective:
         for tensor in tensors[1:]:
             tensor.copy_(tensors[0], non_blocking=True)
 
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """Each device's shard of its buffer becomes the weighted sum of that shard over every device.
+
+        Each shard is summed once, by the same arithmetic as :meth:`all_reduce_each` (so a sharded run
+        reduces exactly as an unsharded one), into a fresh tensor the size of one shard, then copied into
+        its owner's buffer: the owner's own term must not be overwritten before it is read. The rest of
+        each buffer is left as it was.
+        """
+        bounds = shard_bounds(tensors[0].numel(), len(tensors))
+        for owner, (start, stop) in enumerate(bounds):
+            if start == stop:
+                continue
+            parts = [tensor.view(-1)[start:stop] for tensor in tensors]
+            result = [parts[0].clone()]
+            _weighted_sum_into(result, [result] + [[part] for part in parts[1:]], weights)
+            parts[owner].copy_(result[0])
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every buffer gets every owner's shard: ``devices - 1`` shard copies into each buffer, one bucket's bytes."""
+        bounds = shard_bounds(tensors[0].numel(), len(tensors))
+        flats = [tensor.view(-1) for tensor in tensors]
+        for owner, (start, stop) in enumerate(bounds):
+            if start == stop:
+                continue
+            source = flats[owner][start:stop]
+            for device, flat in enumerate(flats):
+                if device != owner:
+                    flat[start:stop].copy_(source)
+
     def close(self) -> None:
         pass
+
+
+def _weighted_sum_into(first: list[torch.Tensor], tensors: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> None:
+    """``first`` (device 0's tensors, or a copy of them) becomes the weighted sum of every device's, position by
+    position; the other devices' tensors are only read."""
+    # A zero-weight device (an empty shard) is left out rather than
+    # multiplied by zero, so whatever its tensors hold (even inf) cannot
+    # turn the sum into NaN.
+    terms = [index for index, weight in enumerate(weights) if weight != 0.0]
+    if not terms:
+        torch._foreach_zero_(first)
+    elif terms == [0] and weights[0] == 1.0:
+        pass  # one device with all the rows: the sum is already in place
+    elif len(terms) == 2 and terms[0] == 0 and abs(weights[0] + weights[terms[1]] - 1.0) < 1e-12:
+        # w0*a + w1*b == a + w1*(b - a) when the weights sum to one: one fused pass.
+        torch._foreach_lerp_(first, list(tensors[terms[1]]), weights[terms[1]])
+    else:
+        lead, rest = terms[0], terms[1:]
+        if lead != 0:
+            torch._foreach_copy_(first, list(tensors[lead]))
+        torch._foreach_mul_(first, weights[lead])
+        for index in rest:
+            torch._foreach_add_(first, list(tensors[index]), alpha=weights[index])

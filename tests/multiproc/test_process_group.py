@@ -20,6 +20,7 @@ import gsync
 from gsync._core.transports.process_group import ProcessGroupCollective
 from gsync._core.distributed import GroupMembership, gather_topology, join
 from gsync._core.topology import Topology
+from gsync._core.transports.sharding import shard_bounds
 
 from tests.support.harness import RankResult, run_ranks
 
@@ -121,6 +122,58 @@ def _strided(session: GroupMembership, topology: Topology) -> None:
         torch.testing.assert_close(base[:, 0], torch.full((4,), mean))
         untouched = float(topology.device_offset + position + 1)
         torch.testing.assert_close(base[:, 1], torch.full((4,), untouched))
+
+
+def _reduce_scatter(dtype: torch.dtype, numel: int, scatter_by_all_reduce: bool) -> Case:
+    """Each device's shard (shard_bounds over every device of every rank) is the weighted sum; over gloo by its
+    all-reduce, and by the reduce-scatter path other backends take (gloo has one in this torch)."""
+
+    def run(session: GroupMembership, topology: Topology) -> None:
+        n = topology.world_devices
+        generator = torch.Generator().manual_seed(n + numel)
+        tensors = [torch.randn(numel, generator=generator).to(dtype) for _ in range(n)]
+        rows = torch.randint(1, 9, (n,), generator=generator).tolist()
+        weights = [r / sum(rows) for r in rows]
+        weights[-1] = 0.0
+        tensors[-1].fill_(float("inf"))  # a zero-weight device is left out
+        weights = [w / sum(weights) for w in weights]
+        expected = sum(w * t.double() for w, t in zip(weights, tensors) if w != 0)
+        local = tensors[topology.local_slice]
+        collective = _collective(session, topology)
+        collective._scatter_by_all_reduce = scatter_by_all_reduce
+        collective.reduce_scatter(local, weights[topology.local_slice])
+        tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
+        bounds = shard_bounds(numel, n)[topology.local_slice]
+        for tensor, (start, stop) in zip(local, bounds):
+            torch.testing.assert_close(tensor[start:stop].double(), expected[start:stop], atol=tolerance, rtol=tolerance)  # type: ignore[index]
+        # The updated shards back to every device: each holds its own, and gets every other device's.
+        for tensor, (start, stop) in zip(local, bounds):
+            tensor[:start] = -1.0
+            tensor[stop:] = -1.0
+        collective.all_gather(local)
+        for tensor in local:
+            torch.testing.assert_close(tensor.double(), expected, atol=tolerance, rtol=tolerance)  # type: ignore[arg-type]
+
+    return run
+
+
+for _dtype in (torch.float32, torch.bfloat16):
+    for _numel in (1000, 1003, 2):
+        for _by_all_reduce in (True, False):
+            _path = "all_reduce" if _by_all_reduce else "reduce_scatter"
+            case(f"reduce_scatter_{str(_dtype).removeprefix('torch.')}_{_numel}_by_{_path}")(
+                _reduce_scatter(_dtype, _numel, _by_all_reduce)
+            )
+
+
+@case("sharded_collectives_refuse_strided_buffers")
+def _sharded_strided(session: GroupMembership, topology: Topology) -> None:
+    views = [torch.zeros(4, 2)[:, 0] for _ in range(topology.local_devices)]
+    collective = _collective(session, topology)
+    with pytest.raises(gsync.GsyncError, match="contiguous"):
+        collective.reduce_scatter(views, [1.0] * topology.local_devices)
+    with pytest.raises(gsync.GsyncError, match="contiguous"):
+        collective.all_gather(views)
 
 
 @case("wrong_topology_is_rejected")

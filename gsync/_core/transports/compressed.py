@@ -119,6 +119,19 @@ class CompressedCollective:
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         self.inner.broadcast(tensors)
 
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """The compressed :meth:`all_reduce`, which leaves every shard reduced, the own one included.
+
+        A hook sees and keeps state for whole buckets (its error feedback, its payload layout), so the
+        shards are not compressed apart: the bytes moved are an all-reduce's, as unsharded, and the
+        sharded optimizer reads its own shard of the result.
+        """
+        self.reduce_bucket(-1, tensors, weights)
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Passed through uncompressed: the updated parameters travel exactly, as :meth:`broadcast`'s buffers do."""
+        self.inner.all_gather(tensors)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -28,15 +28,22 @@ free.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 
 import torch
 import torch.cuda.nccl
 
 from ...errors import ConfigError, GsyncError
 from ..streams.cuda import CudaStreamSync, cuda_devices, on_device
+from .sharding import shard_bounds
 
-__all__ = ("NcclCollective", "prepare_for_nccl")
+__all__ = ("NcclCollective", "gather_shards", "prepare_for_nccl", "scatter_reduced")
+
+# The calls torch.cuda.nccl makes, as these helpers take them: ``launch(inputs, outputs)`` with one tensor
+# of each per device, NCCL's equal-chunk layout (reduce-scatter: output numel x devices == input numel;
+# all-gather: output numel == input numel x devices).
+Launch = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]
 
 
 def prepare_for_nccl(tensor: torch.Tensor, weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +72,74 @@ def prepare_for_nccl(tensor: torch.Tensor, weight: float | None = None) -> tuple
         torch.mul(tensor, weight, out=target)
     wire = torch.view_as_real(target) if target.is_complex() else target
     return target, wire
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def scatter_reduced(
+    targets: Sequence[torch.Tensor], launch: Launch, place: Callable[[int], AbstractContextManager[object]]
+) -> None:
+    """NCCL's reduce-scatter over gsync's shards: afterwards device ``i``'s shard of ``targets[i]`` (dense
+    buffers, already weighted) holds the sum of that shard over every device.
+
+    NCCL splits into equal chunks; gsync's split may be uneven (:func:`~gsync._core.transports.sharding.shard_bounds`),
+    so an uneven buffer is first laid out padded, chunk ``j`` holding shard ``j`` (one copy of the buffer
+    per device). ``place(i)`` enters device ``i``'s comm stream, where each device's copies run.
+    """
+    count = len(targets)
+    bounds = shard_bounds(targets[0].numel(), count)
+    longest = max(stop - start for start, stop in bounds)
+    even = all(stop - start == longest for start, stop in bounds)
+    inputs, outputs = [], []
+    for i, target in enumerate(targets):
+        with place(i):
+            flat = target.view(-1)
+            if even:
+                source = flat
+            else:
+                source = flat.new_zeros(longest * count)
+                for chunk, (start, stop) in zip(source.split(longest), bounds):
+                    chunk[: stop - start].copy_(flat[start:stop])
+            inputs.append(_wire(source))
+            outputs.append(_wire(flat.new_empty(longest)))
+    launch(inputs, outputs)
+    for i, (target, output) in enumerate(zip(targets, outputs)):
+        start, stop = bounds[i]
+        with place(i):
+            received = torch.view_as_complex(output) if target.is_complex() else output
+            target.view(-1)[start:stop].copy_(received[: stop - start])
+
+
+def gather_shards(
+    targets: Sequence[torch.Tensor], launch: Launch, place: Callable[[int], AbstractContextManager[object]]
+) -> None:
+    """NCCL's all-gather over gsync's shards: afterwards every ``targets[i]`` holds each device's shard from
+    that device. Each device sends a copy of its shard (padded to the longest where the split is uneven),
+    so no input aliases an output."""
+    count = len(targets)
+    bounds = shard_bounds(targets[0].numel(), count)
+    longest = max(stop - start for start, stop in bounds)
+    even = all(stop - start == longest for start, stop in bounds)
+    inputs, outputs = [], []
+    for i, target in enumerate(targets):
+        start, stop = bounds[i]
+        with place(i):
+            flat = target.view(-1)
+            mine = flat.new_zeros(longest)
+            mine[: stop - start].copy_(flat[start:stop])
+            inputs.append(_wire(mine))
+            outputs.append(_wire(flat if even else flat.new_empty(longest * count)))
+    launch(inputs, outputs)
+    if even:
+        return
+    for i, (target, output) in enumerate(zip(targets, outputs)):
+        with place(i):
+            flat = target.view(-1)
+            gathered = torch.view_as_complex(output.view(-1, 2)) if target.is_complex() else output
+            for chunk, (start, stop) in zip(gathered.split(longest), bounds):
+                flat[start:stop].copy_(chunk[: stop - start])
 
 
 class NcclCollective:
@@ -156,6 +231,47 @@ class NcclCollective:
         self._write_back(tensors, targets)
         self._order_callers()
 
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """Each device's shard of its buffer becomes the weighted sum of that shard, stream-ordered (see
+        :func:`scatter_reduced`); the rest of each buffer holds its own weighted term. Does not wait for the GPU.
+
+        :raises ~gsync.GsyncError: as :meth:`all_reduce`, and for a strided buffer.
+        :raises RuntimeError: (from torch/NCCL) when the collective cannot be launched.
+        """
+        self._check(tensors, weights, contiguous=True)
+        if tensors[0].numel() == 0:
+            return
+        self._wait_for_callers()
+        for i, (tensor, weight) in enumerate(zip(tensors, weights)):
+            with on_device(self._comm[i]):
+                prepare_for_nccl(tensor, weight)  # dense already: weighted in place
+        if len(tensors) > 1:
+            scatter_reduced(tensors, self._launch(torch.cuda.nccl.reduce_scatter), self._on_comm)
+        self._order_callers()
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every device's buffer gets every device's shard, stream-ordered (see :func:`gather_shards`). Does
+        not wait for the GPU.
+
+        :raises ~gsync.GsyncError: as :meth:`broadcast`, and for a strided buffer.
+        :raises RuntimeError: (from torch/NCCL) when the collective cannot be launched.
+        """
+        self._check(tensors, None, contiguous=True)
+        if len(tensors) == 1 or tensors[0].numel() == 0:
+            return
+        self._wait_for_callers()
+        gather_shards(tensors, self._launch(torch.cuda.nccl.all_gather), self._on_comm)
+        self._order_callers()
+
+    def _on_comm(self, index: int) -> AbstractContextManager[object]:
+        return on_device(self._comm[index])
+
+    def _launch(self, operation: Callable[..., None]) -> Launch:
+        def launch(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+            operation(inputs, outputs, streams=self._comm)
+
+        return launch
+
     def close(self) -> None:
         """Refuse further calls. Idempotent; the streams belong to the stream sync, the communicators to torch."""
         self._closed = True
@@ -180,9 +296,12 @@ class NcclCollective:
                 with on_device(self._comm[i]):
                     tensor.copy_(target)
 
-    def _check(self, tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> None:
+    def _check(self, tensors: Sequence[torch.Tensor], weights: Sequence[float] | None, contiguous: bool = False) -> None:
         if self._closed:
             raise GsyncError("this NcclCollective is closed; build a new one for another fit")
+        if contiguous and not all(tensor.is_contiguous() for tensor in tensors):
+            # A shard is a range of the buffer's elements, which a strided tensor does not have.
+            raise GsyncError("reduce_scatter and all_gather take contiguous buffers (bucket buffers), not strided views")
         expected = len(self._devices)
         if len(tensors) != expected or (weights is not None and len(weights) != expected):
             got = f"{len(tensors)} tensors" + ("" if weights is None else f" and {len(weights)} weights")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..distributed.waiting import GROUP_TYPES, broadcast_from, wait_work
 from ...errors import ConfigError, GsyncError
 from ..topology import Topology
+from .sharding import process_bounds, shard_bounds
 
 __all__ = ("ProcessGroupCollective",)
 
@@ -73,6 +74,12 @@ class ProcessGroupCollective:
         self._topology = topology
         self._abort = abort
         self._closed = False
+        # Every rank's first global device, learned by the first reduce_scatter or all_gather (a collective,
+        # which every rank reaches in the same order), since a topology knows only its own rank's place.
+        self._offsets: tuple[int, ...] | None = None
+        # Gloo's reduce-scatter is missing from some torch versions gsync supports and for some dtypes;
+        # an all-reduce sliced afterwards is right everywhere (see reduce_scatter for its cost).
+        self._scatter_by_all_reduce = dist.get_backend(group) == "gloo"
 
     @property
     def world_devices(self) -> int:
@@ -105,18 +112,78 @@ class ProcessGroupCollective:
         if target.numel() == 0:
             # Every rank has the same (empty) layout, so every rank skips alike.
             return
-        # Scale each term before summing so fp16/bf16 buffers do not overflow.
-        # A zero weight (a device with an empty shard) is skipped rather than
-        # multiplied, so whatever its buffer holds cannot leak in as inf * 0.
-        if weights[0] == 0:
-            target.zero_()
-        else:
-            target.mul_(weights[0])
-        for tensor, weight in zip(tensors[1:], weights[1:]):
-            if weight != 0:
-                target.add_(tensor.to(target.device, non_blocking=True), alpha=weight)
+        _weighted_local_sum(target, tensors, weights)
         work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
         wait_work(work, self._abort, blocking=not target.is_cuda)
+        self._write_back(tensors, target)
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        """Each local device's shard of its buffer becomes the weighted sum of that shard over every device.
+
+        The local devices are summed in process first, as in :meth:`all_reduce`; then each process needs
+        only its own devices' shards, a contiguous range. Over gloo that range is cut from one all-reduce of
+        the whole buffer: twice the bytes per rank of a true reduce-scatter (about ``2 (P-1)/P`` buffers
+        against ``(P-1)/P`` for ``P`` processes), as unsharded, so sharding saves gloo runs no traffic. Other
+        backends (NCCL) reduce-scatter, the buffer padded to equal chunks where the split is uneven.
+
+        :raises ~gsync.GsyncError: as :meth:`all_reduce`. :raises RuntimeError: as :meth:`all_reduce`.
+        """
+        self._check(tensors, weights, contiguous=True)
+        target = tensors[0]
+        numel = target.numel()
+        if numel == 0:
+            return
+        _weighted_local_sum(target, tensors, weights)
+        flat = target.view(-1)
+        topology = self._topology
+        if topology.world_size > 1:
+            if self._scatter_by_all_reduce:
+                work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+                wait_work(work, self._abort, blocking=not target.is_cuda)
+            else:
+                self._reduce_scatter_ranges(flat, process_bounds(numel, topology.world_devices, self._rank_offsets(target)))
+        bounds = shard_bounds(numel, topology.world_devices)
+        for position, tensor in enumerate(tensors[1:], start=1):
+            start, stop = bounds[topology.device_offset + position]
+            tensor.view(-1)[start:stop].copy_(flat[start:stop], non_blocking=True)
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every local buffer gets every device's shard: the local shards gathered in process, then each
+        process's range sent to every other (padded to the longest range where the split is uneven).
+
+        :raises ~gsync.GsyncError: as :meth:`broadcast`. :raises RuntimeError: as :meth:`broadcast`.
+        """
+        self._check(tensors, None, contiguous=True)
+        target = tensors[0]
+        numel = target.numel()
+        if numel == 0:
+            return
+        flat = target.view(-1)
+        topology = self._topology
+        bounds = shard_bounds(numel, topology.world_devices)
+        for position, tensor in enumerate(tensors[1:], start=1):
+            start, stop = bounds[topology.device_offset + position]
+            flat[start:stop].copy_(tensor.view(-1)[start:stop], non_blocking=True)
+        if topology.world_size > 1:
+            ranges = process_bounds(numel, topology.world_devices, self._rank_offsets(target))
+            longest = max(stop - start for start, stop in ranges)
+            start, stop = ranges[topology.rank]
+            direct = all(stop - start == longest for start, stop in ranges)
+            if direct:
+                # Equal ranges: gathered straight into the buffer (its own range from a copy, never aliased).
+                outputs = [flat[a:b] for a, b in ranges]
+                mine = flat[start:stop].clone()
+            else:
+                gathered = flat.new_empty(longest * len(ranges))
+                outputs = list(gathered.split(longest))
+                mine = flat.new_zeros(longest)
+                mine[: stop - start].copy_(flat[start:stop])
+            work = dist.all_gather(outputs, mine, group=self._group, async_op=True)
+            wait_work(work, self._abort, blocking=not target.is_cuda)
+            if not direct:
+                for rank, ((a, b), output) in enumerate(zip(ranges, outputs)):
+                    if rank != topology.rank:
+                        flat[a:b].copy_(output[: b - a])
         self._write_back(tensors, target)
 
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -139,13 +206,44 @@ class ProcessGroupCollective:
         """Refuse further calls. Idempotent; the group is left as it is (this class never owns it)."""
         self._closed = True
 
-    def _check(self, tensors: Sequence[torch.Tensor], weights: Sequence[float] | None) -> None:
+    def _check(self, tensors: Sequence[torch.Tensor], weights: Sequence[float] | None, contiguous: bool = False) -> None:
         if self._closed:
             raise GsyncError("this ProcessGroupCollective is closed; build a new one for another fit")
         expected = self._topology.local_devices
         if len(tensors) != expected or (weights is not None and len(weights) != expected):
             got = f"{len(tensors)} tensors" + ("" if weights is None else f" and {len(weights)} weights")
             raise GsyncError(f"expected one tensor (and weight) per local device ({expected}), got {got}")
+        if contiguous and not all(tensor.is_contiguous() for tensor in tensors):
+            # A shard is a range of the buffer's elements, which a strided tensor does not have.
+            raise GsyncError("reduce_scatter and all_gather take contiguous buffers (bucket buffers), not strided views")
+
+    def _reduce_scatter_ranges(self, flat: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+        """Sum ``flat`` over the ranks, each rank keeping its own range of it (a backend with a reduce-scatter)."""
+        longest = max(stop - start for start, stop in ranges)
+        if all(stop - start == longest for start, stop in ranges):
+            source = flat
+        else:
+            source = flat.new_zeros(longest * len(ranges))
+            for chunk, (start, stop) in zip(source.split(longest), ranges):
+                chunk[: stop - start].copy_(flat[start:stop])
+        output = flat.new_empty(longest)
+        work = dist.reduce_scatter_tensor(output, source, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
+        wait_work(work, self._abort, blocking=not flat.is_cuda)
+        start, stop = ranges[self._topology.rank]
+        flat[start:stop].copy_(output[: stop - start])
+
+    def _rank_offsets(self, like: torch.Tensor) -> tuple[int, ...]:
+        """Each rank's first global device: gathered once, on the device the group's collectives use."""
+        if self._offsets is None:
+            counts = [torch.zeros(1, dtype=torch.int64, device=like.device) for _ in range(self._topology.world_size)]
+            mine = torch.tensor([self._topology.local_devices], dtype=torch.int64, device=like.device)
+            wait_work(dist.all_gather(counts, mine, group=self._group, async_op=True), self._abort, blocking=not like.is_cuda)
+            offsets, cursor = [], 0
+            for count in counts:
+                offsets.append(cursor)
+                cursor += int(count.item())
+            self._offsets = tuple(offsets)
+        return self._offsets
 
     @staticmethod
     def _write_back(tensors: Sequence[torch.Tensor], result: torch.Tensor) -> None:
@@ -153,6 +251,20 @@ class ProcessGroupCollective:
             tensors[0].copy_(result)
         for tensor in tensors[1:]:
             tensor.copy_(result, non_blocking=True)
+
+
+def _weighted_local_sum(target: torch.Tensor, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+    """``target`` (device 0's buffer or its dense copy) becomes the weighted sum of this process's devices."""
+    # Scale each term before summing so fp16/bf16 buffers do not overflow.
+    # A zero weight (a device with an empty shard) is skipped rather than
+    # multiplied, so whatever its buffer holds cannot leak in as inf * 0.
+    if weights[0] == 0:
+        target.zero_()
+    else:
+        target.mul_(weights[0])
+    for tensor, weight in zip(tensors[1:], weights[1:]):
+        if weight != 0:
+            target.add_(tensor.to(target.device, non_blocking=True), alpha=weight)
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:

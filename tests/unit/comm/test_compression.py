@@ -171,6 +171,28 @@ def test_broadcast_is_passed_through_uncompressed() -> None:
     assert tensors[1].item() == 1.0 + 2**-20
 
 
+
+def test_reduce_scatter_is_the_compressed_all_reduce_and_all_gather_is_exact() -> None:
+    """With shard_optimizer the hook still sees whole buckets (its state is per bucket); the parameters the
+    all-gather carries travel uncompressed."""
+    from gsync._core.transports.sharding import shard_bounds
+
+    generator = torch.Generator().manual_seed(3)
+    terms = [torch.randn(11, generator=generator) for _ in range(3)]
+    weights = [0.5, 0.25, 0.25]
+    scattered = [t.clone() for t in terms]
+    reduced = [t.clone() for t in terms]
+    collective = CompressedCollective(LocalCollective(3), LowPrecision(torch.bfloat16))
+    collective.reduce_scatter(scattered, weights)
+    collective.all_reduce(reduced, weights)
+    for tensor, want, (start, stop) in zip(scattered, reduced, shard_bounds(11, 3)):
+        assert torch.equal(tensor[start:stop], want[start:stop])
+    exact = [torch.full((3,), 1.0 + 2**-20), torch.zeros(3)]
+    collective = CompressedCollective(LocalCollective(2), LowPrecision(torch.bfloat16))
+    exact[1][2:] = 7.0 + 2**-20  # device 1 owns element 2 of 3
+    collective.all_gather(exact)
+    assert exact[1].tolist() == [1.0 + 2**-20, 1.0 + 2**-20, 7.0 + 2**-20] == exact[0].tolist()
+
 # -- training ------------------------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gsync
+from gsync._core.transports.sharding import shard_bounds
 
 COLLECTIVES: dict[str, Callable[[int], gsync.Collective]] = {
     "local": gsync.LocalCollective,
@@ -106,3 +107,87 @@ def test_local_reduction_of_tensor_lists(weights: list[float], dtype: torch.dtyp
             torch.testing.assert_close(tensor.double(), want, atol=tolerance, rtol=tolerance)
         # The same arithmetic as one flat buffer, to within the rounding torch's kernels may differ by.
         torch.testing.assert_close(torch.cat([t.reshape(-1) for t in device]), flat, atol=tolerance, rtol=tolerance)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sharded collectives (shard_optimizer=True): each device owns shard_bounds(numel, devices)[i]
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1000, 1003, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_reduce_scatter_gives_each_device_the_weighted_sum_of_its_shard(
+    make: Callable[[int], gsync.Collective], num_devices: int, numel: int, dtype: torch.dtype
+) -> None:
+    """Uneven splits (1003 over 3 or 4), and shards of nothing (2 elements over 3 or 4 devices)."""
+    generator = torch.Generator().manual_seed(numel + num_devices)
+    tensors = [torch.randn(numel, generator=generator).to(dtype) for _ in range(num_devices)]
+    rows = torch.randint(1, 9, (num_devices,), generator=generator).tolist()
+    weights = [r / sum(rows) for r in rows]
+    expected = sum(w * t.double() for w, t in zip(weights, tensors))
+    make(num_devices).reduce_scatter(tensors, weights)
+    tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
+    bounds = shard_bounds(numel, num_devices)
+    assert sum(stop - start for start, stop in bounds) == numel
+    for tensor, (start, stop) in zip(tensors, bounds):
+        assert tensor.dtype == dtype and tensor.shape == (numel,)
+        torch.testing.assert_close(tensor[start:stop].double(), expected[start:stop], atol=tolerance, rtol=tolerance)
+
+
+def test_reduce_scatter_leaves_zero_weight_devices_out(make: Callable[[int], gsync.Collective]) -> None:
+    tensors = [torch.ones(7), torch.full((7,), float("inf")), torch.full((7,), 3.0)]
+    make(3).reduce_scatter(tensors, [0.5, 0.0, 0.5])
+    for tensor, (start, stop) in zip(tensors, shard_bounds(7, 3)):
+        torch.testing.assert_close(tensor[start:stop], torch.full((stop - start,), 2.0))
+    leading_zero = [torch.full((5,), float("nan")), torch.full((5,), 5.0)]
+    make(2).reduce_scatter(leading_zero, [0.0, 1.0])
+    for tensor, (start, stop) in zip(leading_zero, shard_bounds(5, 2)):
+        torch.testing.assert_close(tensor[start:stop], torch.full((stop - start,), 5.0))
+
+
+def test_fp16_reduce_scatter_does_not_overflow(make: Callable[[int], gsync.Collective]) -> None:
+    tensors = [torch.full((16,), 40000.0, dtype=torch.float16) for _ in range(3)]
+    make(3).reduce_scatter(tensors, [1 / 3] * 3)
+    for tensor, (start, stop) in zip(tensors, shard_bounds(16, 3)):
+        assert torch.isfinite(tensor[start:stop]).all()
+        torch.testing.assert_close(tensor[start:stop].float(), torch.full((stop - start,), 40000.0), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("num_devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [12, 1003, 2])
+def test_all_gather_gives_every_device_every_owners_shard(
+    make: Callable[[int], gsync.Collective], num_devices: int, numel: int
+) -> None:
+    bounds = shard_bounds(numel, num_devices)
+    expected = torch.empty(numel)
+    tensors = []
+    for owner, (start, stop) in enumerate(bounds):
+        # Each device holds its own shard and garbage elsewhere (what the others hold there is theirs).
+        tensor = torch.full((numel,), float("nan"))
+        tensor[start:stop] = torch.arange(start, stop, dtype=torch.float32) + 0.5 * owner
+        expected[start:stop] = tensor[start:stop]
+        tensors.append(tensor)
+    ints = [torch.full((numel,), -1, dtype=torch.int64) for _ in range(num_devices)]
+    for owner, (start, stop) in enumerate(bounds):
+        ints[owner][start:stop] = torch.arange(start, stop) * 10 + owner
+    collective = make(num_devices)
+    collective.all_gather(tensors)
+    collective.all_gather(ints)
+    for tensor, integers in zip(tensors, ints):
+        assert torch.equal(tensor, expected)
+        assert torch.equal(integers, ints[0]) and (integers >= 0).all()
+
+
+@pytest.mark.parametrize("num_devices", [2, 3])
+def test_reduce_scatter_then_all_gather_is_an_all_reduce(make: Callable[[int], gsync.Collective], num_devices: int) -> None:
+    generator = torch.Generator().manual_seed(num_devices)
+    tensors = [torch.randn(301, 3, generator=generator) for _ in range(num_devices)]
+    copies = [tensor.clone() for tensor in tensors]
+    weights = [(i + 1) / sum(range(1, num_devices + 1)) for i in range(num_devices)]
+    collective = make(num_devices)
+    collective.reduce_scatter(tensors, weights)
+    collective.all_gather(tensors)
+    collective.all_reduce(copies, weights)
+    for tensor, copy in zip(tensors, copies):
+        torch.testing.assert_close(tensor, copy, atol=1e-6, rtol=1e-6)

@@ -39,6 +39,13 @@ test_weighted_all_reduce = _suite.test_weighted_all_reduce  # type: ignore[attr-
 test_fp16_weighted_sum_does_not_overflow = _suite.test_fp16_weighted_sum_does_not_overflow  # type: ignore[attr-defined]
 test_broadcast_from_first_device = _suite.test_broadcast_from_first_device  # type: ignore[attr-defined]
 test_zero_weight_devices_contribute_nothing = _suite.test_zero_weight_devices_contribute_nothing  # type: ignore[attr-defined]
+test_reduce_scatter_gives_each_device_the_weighted_sum_of_its_shard = (
+    _suite.test_reduce_scatter_gives_each_device_the_weighted_sum_of_its_shard  # type: ignore[attr-defined]
+)
+test_reduce_scatter_leaves_zero_weight_devices_out = _suite.test_reduce_scatter_leaves_zero_weight_devices_out  # type: ignore[attr-defined]
+test_fp16_reduce_scatter_does_not_overflow = _suite.test_fp16_reduce_scatter_does_not_overflow  # type: ignore[attr-defined]
+test_all_gather_gives_every_device_every_owners_shard = _suite.test_all_gather_gives_every_device_every_owners_shard  # type: ignore[attr-defined]
+test_reduce_scatter_then_all_gather_is_an_all_reduce = _suite.test_reduce_scatter_then_all_gather_is_an_all_reduce  # type: ignore[attr-defined]
 
 
 class _OnGpus:
@@ -68,6 +75,16 @@ class _OnGpus:
     def broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         on_gpus = [t.to(d) for t, d in zip(tensors, self._devices)]
         self.inner.broadcast(on_gpus)
+        self._copy_back(tensors, on_gpus)
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
+        on_gpus = [t.to(d) for t, d in zip(tensors, self._devices)]
+        self.inner.reduce_scatter(on_gpus, weights)
+        self._copy_back(tensors, on_gpus)
+
+    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
+        on_gpus = [t.to(d) for t, d in zip(tensors, self._devices)]
+        self.inner.all_gather(on_gpus)
         self._copy_back(tensors, on_gpus)
 
     def close(self) -> None:

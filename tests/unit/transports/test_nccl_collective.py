@@ -29,6 +29,62 @@ def test_nccl_collective_rejects_cpu_devices_and_foreign_stream_syncs() -> None:
         NcclCollective(["cuda:0"], HostStreamSync(1, 1))  # type: ignore[arg-type]
 
 
+class _NcclStandIn:
+    """torch.cuda.nccl's reduce_scatter and all_gather on CPU tensors, refusing what torch's C++ checks refuse:
+    unequal chunks, mixed dtypes, strided or complex tensors (NCCL has no complex type)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _check(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor], in_per_out: float) -> None:
+        self.calls += 1
+        for tensor in [*inputs, *outputs]:
+            assert tensor.is_contiguous() and not tensor.is_complex() and tensor.dtype == inputs[0].dtype
+        for source, target in zip(inputs, outputs):
+            assert source.numel() == target.numel() * in_per_out, (source.numel(), target.numel())
+            assert source.data_ptr() != target.data_ptr()
+
+    def reduce_scatter(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        self._check(inputs, outputs, len(inputs))
+        total = sum(source.reshape(-1).double() for source in inputs)
+        for rank, target in enumerate(outputs):
+            target.view(-1).copy_(total.chunk(len(inputs))[rank])  # type: ignore[union-attr]
+
+    def all_gather(self, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        self._check(inputs, outputs, 1 / len(inputs))
+        whole = torch.cat([source.reshape(-1) for source in inputs])
+        for target in outputs:
+            target.view(-1).copy_(whole)
+
+
+@pytest.mark.parametrize("numel", [12, 13, 2])
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_nccl_shards_are_gsyncs_even_when_nccls_equal_chunks_are_not(numel: int, devices: int, dtype: torch.dtype) -> None:
+    """The layout NcclCollective hands torch.cuda.nccl, on CPU: uneven shards padded to NCCL's equal chunks and
+    back, complex tensors as real views, each device's shard where shard_bounds puts it."""
+    from contextlib import nullcontext
+
+    from gsync._core.transports.nccl import gather_shards, scatter_reduced
+    from gsync._core.transports.sharding import shard_bounds
+
+    nccl = _NcclStandIn()
+    generator = torch.Generator().manual_seed(numel)
+    tensors = [torch.randn(numel, generator=generator).to(dtype) for _ in range(devices)]
+    expected = sum(tensors)
+    scatter_reduced(tensors, nccl.reduce_scatter, lambda i: nullcontext())
+    bounds = shard_bounds(numel, devices)
+    for tensor, (start, stop) in zip(tensors, bounds):
+        torch.testing.assert_close(tensor[start:stop], expected[start:stop])  # type: ignore[index]
+    for tensor, (start, stop) in zip(tensors, bounds):
+        tensor[:start] = float("nan")
+        tensor[stop:] = float("nan")
+    gather_shards(tensors, nccl.all_gather, lambda i: nullcontext())
+    for tensor in tensors:
+        torch.testing.assert_close(tensor, expected)
+    assert nccl.calls == 2
+
+
 def test_importing_touches_no_cuda() -> None:
     code = "import gsync._core.streams, gsync._core.transports.nccl, torch; print(torch.cuda.is_initialized())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
