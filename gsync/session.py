@@ -45,7 +45,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import AsyncIterable, Generator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -318,7 +318,9 @@ class Session:
         Cancelled, it closes the session and the cancellation propagates, as
         for :meth:`step`; a failure settled while no call ran is raised
         before any batch is read; a membership change due before the call is
-        made first.
+        made first, and one that interrupts it redoes the evaluation over the
+        new membership from its first batch (a one-shot iterator, whose
+        batches are gone, raises the loss instead).
 
         :raises ~gsync.InputTypeError: for ``data`` that is not an iterable of batches, or a ``metric_fn`` that
             is not callable (before any work, the session stays open).
@@ -330,7 +332,10 @@ class Session:
         self._check_call()
         with cancellation_kept(_CALL_CANCELLED):
             try:
-                return await (await self._after_change()).evaluate(data, metric_fn=metric_fn)
+                # Over a membership change the evaluation is redone from its first batch, if data can be read again.
+                return await self._service.carried(
+                    lambda core: core.evaluate(data, metric_fn=metric_fn), redoable=_iterable_again(data)
+                )
             except BaseException as error:
                 await self._closed_by(error)
                 raise
@@ -350,7 +355,9 @@ class Session:
 
         Cancelled, it closes the session and the cancellation propagates, as
         for :meth:`step`; a failure settled while no call ran is raised
-        first; a membership change due before the call is made first.
+        first; a membership change due before the call is made first, and
+        one that interrupts it redoes the reduction over the new membership
+        (every survivor redoes it with its value).
 
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
@@ -358,7 +365,7 @@ class Session:
         self._check_call()
         with cancellation_kept(_CALL_CANCELLED):
             try:
-                return await (await self._after_change()).all_reduce(value, op)
+                return await self._service.carried(lambda core: core.all_reduce(value, op))
             except BaseException as error:
                 await self._closed_by(error)
                 raise
@@ -478,6 +485,12 @@ class Session:
                         "a gsync session is used from the event loop that opened it; this call came from "
                         + ("another event loop" if current is not None else "outside any event loop")
                     )
+
+
+def _iterable_again(data: object) -> bool:
+    """Whether iterating ``data`` again starts it over (a list, a DataLoader), unlike an iterator or a generator."""
+    # Asked of the type, not by iterating: a DataLoader's iter() would start its workers.
+    return not isinstance(data, (Iterator, AsyncIterator))
 
 
 def _call_if_alive(method: weakref.WeakMethod[Any]) -> None:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
     from ..settings import EngineSettings
 
 __all__ = ("SessionService", "SessionSlot", "open_services")
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger("gsync")
 _OPEN: weakref.WeakSet[SessionService] = weakref.WeakSet()
@@ -294,6 +296,22 @@ class SessionService:
     def membership_changes(self) -> tuple[MembershipChange, ...]:
         """The elastic run's membership changes so far (none outside an elastic run)."""
         return () if self.elastic is None else tuple(self.elastic.changes)
+
+    async def carried(self, operation: Callable[[SessionCore], Awaitable[_T]], *, redoable: bool = True) -> _T:
+        """Run ``operation`` on the serving core; in an elastic run, redone over the next membership if one
+        interrupts it (every survivor redoes it: the ranks' n-th operations still meet), unless not ``redoable``
+        (an evaluation over a one-shot iterator, whose batches are gone).
+        """
+        core = await self.serving_core()
+        if self.elastic is None:
+            return await operation(core)
+        while True:
+            try:
+                return await operation(core)
+            except GsyncError as error:
+                if not (redoable and recoverable(error)):
+                    raise
+            core = await self.current_core(core)
 
     async def step(
         self,
