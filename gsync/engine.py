@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 from ._core.transports.compressed import resolve_compression
 from .comm.compressed import CompressionHook
 from ._core.step.context import SiteHook
-from ._core.arguments import checked_recipe, positive, resume_argument
+from ._core.arguments import checked_recipe, positive, resume_argument, settings_for_model
 from ._core.devices import DeviceSpec, parse_devices, plan_device_threads
 from ._core.session.cancelling import cancellation_kept
 from ._core.session.service import SessionSlot
@@ -184,6 +184,7 @@ class Engine:
                 "GPUs yet (see the elastic runs page of the docs)"
             )
         plan = plan_device_threads(self.devices, device_threads)
+        self._device_threads_asked = device_threads
         self.device_threads: Literal["shared", "per_device"] = plan.device_threads
         """The threads that run this process's devices (``device_threads`` with ``"auto"`` resolved)."""
         self.intra_op_threads: tuple[int, int] | None = plan.intra_op_threads
@@ -292,7 +293,8 @@ class Engine:
         """
         resume = resume_argument(resume)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
-        return SessionOpener(self._slot, self._settings(), model, recipe, resume, bool(process_local_data))
+        settings = settings_for_model(self._settings(), model, self._device_threads_asked)
+        return SessionOpener(self._slot, settings, model, recipe, resume, bool(process_local_data))
 
     async def aclose(self) -> None:
         """Close the session this engine has open, if any, as :meth:`gsync.Session.aclose` does.
@@ -401,12 +403,13 @@ class Engine:
         resume = resume_argument(resume, checkpoint_dir)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
+        engine_settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         with cancellation_kept(
             "gsync: the fit was cancelled: every device stopped and the model is left as it was; fit again, with "
             "checkpoint_dir= and resume= to go on from the last checkpoint file"
         ):
             async with SessionOpener(
-                self._slot, self._settings(), model, recipe, resume, bool(process_local_data), for_fit=True
+                self._slot, engine_settings, model, recipe, resume, bool(process_local_data), for_fit=True
             ) as session:
                 result = await session._fit(data, settings, result_model=model)
         return result

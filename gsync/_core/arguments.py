@@ -7,9 +7,11 @@ the argument would otherwise cause comes from deep inside a session's start
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import os
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -17,9 +19,14 @@ from torch import nn
 from ..checkpoint import Checkpoint
 from ..errors import ConfigError, InputTypeError
 from .state.checkpointing import resolve_resume
+from .devices import plan_device_threads
+from .step.batchnorm import has_sync_batchnorm
 from .step.context import Recipe
 
-__all__ = ("checked_recipe", "positive", "resume_argument")
+if TYPE_CHECKING:
+    from .settings import EngineSettings
+
+__all__ = ("checked_recipe", "positive", "resume_argument", "settings_for_model")
 
 _AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -151,3 +158,29 @@ def _check_builds_from_the_optimizer_alone(scheduler: type) -> None:
             f"scheduler={name} needs more than the optimizer to build ({error}); give a factory instead, "
             f"e.g. scheduler=lambda optimizer: {name}(optimizer, ...)"
         ) from None
+
+
+def settings_for_model(settings: EngineSettings, model: nn.Module, asked: str) -> EngineSettings:
+    """The settings a session of ``model`` runs with: one thread per device where it holds ``nn.SyncBatchNorm``.
+
+    Devices taking turns on one thread cannot meet inside forward (the
+    first would wait for ever for the others), so ``device_threads="auto"``
+    gives each device its own thread for such a model.
+
+    :raises ~gsync.ConfigError: for ``device_threads="shared"`` with several devices and a SyncBatchNorm layer.
+    """
+    if settings.device_threads != "shared" or len(settings.devices) < 2 or not has_sync_batchnorm(model):
+        return settings
+    if asked == "shared":
+        raise ConfigError(
+            "the model holds nn.SyncBatchNorm layers, whose devices meet inside every forward and backward, and "
+            "device_threads='shared' runs the devices one after another on one thread: use "
+            "Engine(device_threads='per_device') (or 'auto'), or convert the layers back to nn.BatchNorm"
+        )
+    plan = plan_device_threads(settings.devices, "per_device")
+    return dataclasses.replace(
+        settings,
+        device_threads=plan.device_threads,
+        intra_op_threads=plan.intra_op_threads,
+        devices_in_turn=plan.devices_in_turn,
+    )

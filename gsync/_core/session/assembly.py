@@ -24,7 +24,8 @@ from ...comm.local import LocalCollective
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective
 from ..step.context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints
-from ..distributed.runtime import ProcessGroupAgreement, ProcessGroupRuntime
+from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S, ProcessGroupAgreement, ProcessGroupRuntime
+from ..step.batchnorm import BatchStatsExchange, adopt_sync_batchnorm, has_sync_batchnorm, sync_batchnorm_width
 from ..step.inbox import ServerInbox
 from ..step.mailbox import Mailbox
 from ..step.messages import ServerMessage, SessionMessage
@@ -86,7 +87,11 @@ def assemble(
     buffers = BufferSync([replica.module for replica in replicas])
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
-    context = _context(settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort)
+    batch_stats = _batch_stats(settings, replicas, runtime, abort)
+    context = _context(
+        settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort,
+        batch_stats,
+    )
     actors = _actors(settings, replicas, context, streams, loop)
     first = actors[0]
     rebuild = PlanRebuild(context, lambda: first.capture.readiness.order, runtime.agree_order if runtime is not None else None)
@@ -130,6 +135,25 @@ def _collective(
     return collective
 
 
+def _batch_stats(
+    settings: EngineSettings, replicas: Sequence[Replica], runtime: ProcessGroupRuntime | None, abort: threading.Event
+) -> BatchStatsExchange | None:
+    """Where the replicas' ``nn.SyncBatchNorm`` layers sum their statistics, each layer given gsync's forward."""
+    if not replicas or not has_sync_batchnorm(replicas[0].module):
+        return None
+    exchange = BatchStatsExchange(
+        [spec.name for spec in settings.devices],
+        abort,
+        settings.sync_timeout * settings.devices_in_turn,
+        sync_batchnorm_width(replicas[0].module),
+        runtime.membership if runtime is not None else None,
+        settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S,
+    )
+    for index, replica in enumerate(replicas):
+        adopt_sync_batchnorm(replica.module, index, exchange)
+    return exchange
+
+
 def _trace(settings: EngineSettings, topology: Topology) -> Trace | None:
     # True or a file path: a fresh trace per session.
     trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
@@ -150,6 +174,7 @@ def _context(
     session_mailbox: Mailbox[SessionMessage],
     loop: LoopHandle,
     abort: threading.Event,
+    batch_stats: BatchStatsExchange | None = None,
 ) -> ActorContext:
     """What the actors of the session share, and where its gradients live."""
     # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
@@ -180,11 +205,14 @@ def _context(
         alone=alone,
         shared_thread=settings.device_threads == "shared",
         intra_op_threads=settings.intra_op_threads,
+        batch_stats=batch_stats,
         # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
-        # thread the devices take turns anyway.
+        # thread the devices take turns anyway. SyncBatchNorm's devices meet inside forward and backward, so one
+        # cannot finish its turn before the others start theirs: they run at once.
         first_step=(
             FirstStepInTurn(num_replicas)
             if num_replicas > 1
+            and batch_stats is None
             and settings.device_threads == "per_device"
             and all(spec.torch_device.type == "cpu" for spec in settings.devices)
             else None

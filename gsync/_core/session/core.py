@@ -254,16 +254,24 @@ class SessionCore(SessionOperations):
         """Every local device's shard of the step, after validating every batch; and the step's global rows."""
         per_device: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in self._actors]
         global_rows = 0
+        local_rows: list[tuple[int, ...]] = []
+        padded: list[bool] = []
+        topology = self._topology
         for batch in batches:
             rows = batch_rows(batch, f"the batch of step {step}")
             counts, shards = self._split_one(batch, rows)
-            total = rows * self._topology.world_size if self._process_local else rows
+            total = rows * topology.world_size if self._process_local else rows
             global_rows += total
+            local_rows.append(tuple(counts))
+            # A global batch with fewer rows than the run's devices may leave a whole process without any.
+            padded.append(not self._process_local and topology.world_size > 1 and rows < topology.world_devices)
             for (device_rows, totals, data), count, shard in zip(per_device, counts, shards):
                 device_rows.append(count)
                 totals.append(total)
                 data.append(shard)
-        return [Shard(step, tuple(r), tuple(t), tuple(d)) for r, t, d in per_device], global_rows
+        return [
+            Shard(step, tuple(r), tuple(t), tuple(d), tuple(local_rows), tuple(padded)) for r, t, d in per_device
+        ], global_rows
 
     async def _await_applied(self, step: int) -> tuple[float, StepApplied]:
         """The step's loss, from the sync server, and the first device's report, once every device applied it."""

@@ -179,12 +179,21 @@ class DeviceActor:
         readout = self._losses
         readout.start(batches)
         recipe = self._context.recipe
+        stats = self._context.batch_stats
         last_backward_ran = False
         for position, (rows, total, data) in enumerate(zip(shard.rows, shard.total_rows, parts)):
+            local_rows = shard.local_rows[position] if shard.local_rows else ()
+            padded = bool(shard.padded) and shard.padded[position]
             if rows == 0:
                 # An empty shard has nothing to learn from: the device posts its
                 # buckets as unused (zeros), weighted by what it did see.
+                if stats is not None and self.index == 0:
+                    # A process without rows still matches the other ranks' SyncBatchNorm collectives.
+                    with jobs.enter("forward"):
+                        stats.skip_batch(shard.step, position, local_rows, padded)
                 continue
+            if stats is not None:
+                stats.begin_batch(self.index, shard.step, position, local_rows, padded, rows / total)
             last = position == batches - 1
             jobs.shard_rows = (rows, total)
             # The device's gradient is the weighted mean over the step's
@@ -199,6 +208,8 @@ class DeviceActor:
                 capture.before_backward()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
                 capture.after_backward()
+            if stats is not None:
+                stats.end_batch(self.index)
             last_backward_ran = last
         capture.finish(batches)
         self._post_losses(readout.read(), last_backward_ran)
@@ -331,3 +342,5 @@ class DeviceActor:
     def close(self) -> None:
         self.capture.remove_hooks()
         self.jobs.worker.stop()
+        if self.index == 0 and self._context.batch_stats is not None:
+            self._context.batch_stats.close()

@@ -21,6 +21,7 @@ from ..gradients.buckets import BucketPlan
 from ...errors import ReplicasDiverged
 from .mailbox import Mailbox
 from .inbox import ServerInbox
+from .batchnorm import BatchStatsExchange
 from .messages import DeviceMessage, SessionMessage
 from ..streams import HostStreamSync, StreamSync
 from ...trace import Trace
@@ -83,6 +84,11 @@ class Shard:
     rows: tuple[int, ...]
     total_rows: tuple[int, ...]
     data: tuple[Any, ...]
+    local_rows: tuple[tuple[int, ...], ...] = ()
+    """Per batch, the rows of every device of this process: SyncBatchNorm's rendezvous waits for those with rows."""
+    padded: tuple[bool, ...] = ()
+    """Per batch, whether some process of the run may have no rows of it: SyncBatchNorm's statistics then follow
+    the padded protocol (see :mod:`gsync._core.step.batchnorm`)."""
 
     @property
     def weight(self) -> float:
@@ -183,6 +189,8 @@ class ActorContext:
     intra_op_threads: tuple[int, int] | None = None
     """Torch intra-op threads for each device thread and for the communication thread, where this process's CPU
     devices split its cores (``Engine.intra_op_threads``); ``None``: the count of the thread that opens the session."""
+    batch_stats: BatchStatsExchange | None = None
+    """Where the replicas' ``nn.SyncBatchNorm`` layers sum their batch statistics; ``None``: the model has none."""
 
 
 class DeviceEndpoint(Protocol):
