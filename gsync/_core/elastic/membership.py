@@ -160,8 +160,12 @@ class ElasticMembership:
 
     def depart_soon(self) -> None:
         """SIGTERM: leave at the next step boundary (its watcher stops answering for this process now)."""
-        if self.run is not None:
-            self.run.leaving = True
+        run = self.run
+        if run is not None:
+            run.leaving = True
+            # Said in a thread of its own: this runs in a signal handler, on the event loop's thread, and a store
+            # write waits for the store to answer.
+            threading.Thread(target=run.say_leaving, name="gsync-departing", daemon=True).start()
 
     def leave(self) -> Decision:
         """Depart from the run between steps: the others change without waiting out a silence."""

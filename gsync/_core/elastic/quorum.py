@@ -16,7 +16,9 @@ same one:
   ``g<g>/reform`` up and *answers*: ``g<g>/in/<rank>``. Every member's
   :class:`~gsync._core.elastic.watcher.ReformWatcher` thread waits on that key
   and answers for its process at once, whatever its training threads are
-  doing; a rank that departs writes ``g<g>/left/<rank>`` instead;
+  doing; a rank that departs writes ``g<g>/left/<rank>`` instead, and has
+  said so since its SIGTERM (``g<g>/leaving/<rank>``), which counts alike:
+  the others need not wait for it to finish its step and take its checkpoint;
 - a rank deciding waits until every member answered or left, or all but
   one did and a member noted that a peer of this generation is gone (its
   gloo connection closed: ``g<g>/s/peer_gone``), or until ``answer_within``
@@ -305,10 +307,22 @@ class ElasticRun:
         """A member of generation ``number`` is gone (its connection closed while that generation formed or was handed over)."""
         self.store.set(self._peer_gone_key(number), "1")
 
+    def say_leaving(self) -> None:
+        """Tell the current generation's members that this process departs (SIGTERM), before it reaches the step
+        boundary where it leaves: a change after that step does not wait for it. Blocks for one store write."""
+        current = self.current
+        if current is None:
+            return
+        try:
+            self.store.set(self.key(f"g{current.number}", f"leaving/{self.launch_rank}"), "1")
+        except Exception as error:  # noqa: BLE001 - it says so again as it leaves, or the store is gone
+            logger.info("gsync: rank %d could not say it departs ahead of the change: %s", self.launch_rank, error)
+
     def _roll_call(self, current: Generation) -> tuple[list[int], list[int]]:
         answered, left = [], []
         for member in current.members:
-            if self.store.check([self.key(f"g{current.number}", f"left/{member}")]):
+            said = [self.key(f"g{current.number}", f"{what}/{member}") for what in ("left", "leaving")]
+            if self.store.check(said[:1]) or self.store.check(said[1:]):
                 left.append(member)
             elif self.store.check([self.key(f"g{current.number}", f"in/{member}")]):
                 answered.append(member)
@@ -348,6 +362,8 @@ class ElasticRun:
             decision.generation, decision.members, group, dist.PrefixStore(f"{prefix}/s", self.store), decision, cast(dist.ProcessGroup, host)
         )
         self.current = generation
+        if self.leaving:
+            self.say_leaving()  # a SIGTERM that came while this generation formed
         self.store.set(self.key(f"g{decision.generation}", "decided"), _encode(decision))
         self.store.set(self.key("current"), str(decision.generation))
         if old is not None:

@@ -106,6 +106,21 @@ def test_a_note_of_a_gone_peer_counts_for_its_own_generation_only() -> None:
     assert took >= 1.0, took
 
 
+@pytest.mark.timeout(60)
+def test_a_rank_that_said_it_departs_is_not_waited_for_at_the_step_boundary() -> None:
+    server = store_server()
+    runs = started(server, 3, gsync.Elastic(answer_within=30.0))
+    # Rank 1 got SIGTERM: it says so at once, then finishes its step and takes its checkpoint, which takes long.
+    runs[1].leaving = True
+    runs[1].say_leaving()
+    decisions, took = decide_timed([runs[0], runs[2]])
+    assert decisions[0] == decisions[1]
+    assert decisions[0].members == (0, 2) and decisions[0].left == (1,) and decisions[0].lost == ()
+    assert took < 15, took  # not answer_within (30 s)
+    # When it comes to leave, the change is made: it reads the one decided.
+    assert runs[1].reform(threading.Event(), leaving=True) == decisions[0]
+
+
 def test_only_gloo_saying_a_peers_connection_closed_is_proof_that_a_member_is_gone() -> None:
     # As gloo 2.13 words it (measured: a peer process killed, the survivor's next collective).
     closed = RuntimeError(
