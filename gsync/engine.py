@@ -22,7 +22,7 @@ from .checkpoint import Checkpoint
 from ._core.transports.compressed import resolve_compression
 from .comm.compressed import CompressionHook
 from ._core.step.context import SiteHook
-from ._core.arguments import checked_recipe, positive, resume_argument, settings_for_model
+from ._core.arguments import check_shardable, checked_recipe, positive, resume_argument, settings_for_model
 from ._core.devices import DeviceSpec, parse_devices, plan_device_threads
 from ._core.session.cancelling import cancellation_kept
 from ._core.session.service import SessionSlot
@@ -132,6 +132,15 @@ class Engine:
         ends the run on every rank. Host the store outside the ranks
         (torchrun's agent store, or ``store=``) so any rank may be lost; see
         the elastic runs page of the docs.
+    :param shard_optimizer: ``True`` to shard the optimizer's state over
+        every device of the run (ZeRO stage 1): each device owns a
+        contiguous shard of every gradient bucket, receives the reduced
+        gradient of its shard only (a reduce-scatter), steps the optimizer
+        on it, keeping state for it only (about 1/N of it on N devices),
+        and the updated parameters are all-gathered back into every
+        replica. The result equals the unsharded run's (within rounding),
+        checkpoints hold the whole state as unsharded ones do, and
+        ``elastic`` is refused with it. See the sharding page of the docs.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -150,6 +159,7 @@ class Engine:
         compression: Literal["bf16", "fp16"] | CompressionHook | None = None,
         device_threads: Literal["auto", "shared", "per_device"] = "auto",
         elastic: bool | Elastic = False,
+        shard_optimizer: bool = False,
     ) -> None:
         self.bucket_cap_mb = positive("bucket_cap_mb", bucket_cap_mb)
         self.first_bucket_mb = positive("first_bucket_mb", first_bucket_mb)
@@ -173,6 +183,16 @@ class Engine:
                 "elastic=... builds each membership's group itself on the run's store, so it cannot use a "
                 "process_group you made: drop process_group= (pass store= to say where the store is)"
             )
+        if not isinstance(shard_optimizer, bool):
+            raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+        if shard_optimizer and self.elastic is not None:
+            raise ConfigError(
+                "shard_optimizer=True cannot be elastic: each rank holds the only copy of its devices' optimizer "
+                "shard, so a lost rank would take part of the optimizer state with it and the survivors could not "
+                "go on exactly; drop elastic= (resume from a checkpoint instead) or drop shard_optimizer="
+            )
+        self.shard_optimizer = shard_optimizer
+        """Whether each device keeps optimizer state for its own shard of every bucket only."""
         self.distributed = should_use_distributed(process_group) or self.elastic is not None
         if devices is None and self.distributed:
             devices = _default_devices_of_this_process()
@@ -229,6 +249,7 @@ class Engine:
             trace=self.trace,
             trace_file=self.trace_file,
             site_hooks=self._site_hooks,
+            shard_optimizer=self.shard_optimizer,
         )
 
     def __repr__(self) -> str:
@@ -293,6 +314,8 @@ class Engine:
         """
         resume = resume_argument(resume)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        if self.shard_optimizer:
+            check_shardable(model)
         settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         return SessionOpener(self._slot, settings, model, recipe, resume, bool(process_local_data))
 
@@ -402,6 +425,14 @@ class Engine:
         """
         resume = resume_argument(resume, checkpoint_dir)
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
+        if self.shard_optimizer:
+            check_shardable(model)
+        if self.shard_optimizer and self.distributed and checkpoint_dir is not None:
+            raise ConfigError(
+                "checkpoint_dir= with shard_optimizer=True across processes: each process holds only its devices' "
+                "shards of the optimizer state, and a checkpoint file (rank 0's) must hold all of it, which gsync does "
+                "not gather across processes yet; drop checkpoint_dir=, or shard_optimizer=, or train in one process"
+            )
         settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
         engine_settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         with cancellation_kept(

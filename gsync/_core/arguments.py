@@ -184,3 +184,18 @@ def settings_for_model(settings: EngineSettings, model: nn.Module, asked: str) -
         intra_op_threads=plan.intra_op_threads,
         devices_in_turn=plan.devices_in_turn,
     )
+
+
+def check_shardable(model: nn.Module) -> None:
+    """``shard_optimizer=True`` cuts each trainable parameter as a range of its elements, in memory order.
+
+    :raises ~gsync.ConfigError: for a parameter whose elements are not laid out densely in order (a
+        ``channels_last`` or transposed one).
+    """
+    for name, param in model.named_parameters():
+        if param.requires_grad and not param.is_contiguous():
+            raise ConfigError(
+                f"parameter {name} is not contiguous (stride {param.stride()}), and shard_optimizer=True cuts each "
+                "parameter as a range of its elements: make it contiguous first (model.to(memory_format="
+                "torch.contiguous_format), or param.data = param.data.contiguous()), or drop shard_optimizer="
+            )

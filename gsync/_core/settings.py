@@ -43,3 +43,5 @@ class EngineSettings:
     site_hooks: Sequence[SiteHook]
     """The engine's own list of site hooks, not a copy: a hook armed while a session is open
     (:func:`gsync.testing.inject`) applies to it from its next site."""
+    shard_optimizer: bool = False
+    """Each device keeps optimizer state for its shard of every bucket only (see :mod:`gsync._core.step.sharding`)."""

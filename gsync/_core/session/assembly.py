@@ -32,6 +32,7 @@ from ..step.messages import ServerMessage, SessionMessage
 from ..gradients.rebuild import PlanRebuild
 from ..state.replicas import Replica
 from ..step.server import SyncServer
+from ..step.sharding import ReplicaShard, ShardedStep
 from ..streams import CudaStreamSync, StreamSync, make_stream_sync
 from ..topology import Topology
 from ...trace import Trace
@@ -88,9 +89,10 @@ def assemble(
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
     batch_stats = _batch_stats(settings, replicas, runtime, abort)
+    sharding = _sharding(settings, recipe, plan, topology)
     context = _context(
         settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort,
-        batch_stats,
+        batch_stats, sharding,
     )
     actors = _actors(settings, replicas, context, streams, loop)
     first = actors[0]
@@ -105,8 +107,21 @@ def assemble(
         buffers=buffers,
         collective=collective,
         agreement=agreement,
-        rebuild=rebuild,
+        # Sharded, the shards and the optimizers' slices are cut from the first plan, which stays.
+        rebuild=rebuild if sharding is None else None,
     )
+    if sharding is not None:
+        _shard_optimizers(sharding, actors, topology, plan)
+        sharding.bind(
+            comm=server.comm,
+            collective=collective,
+            exact=collective.inner if isinstance(collective, CompressedCollective) else collective,
+            streams=streams,
+            session=session_mailbox,
+            abort=abort,
+            fingerprint=context.fingerprints.record if context.fingerprints is not None else None,
+            check_every=settings.check_replicas_every,
+        )
     return Assembly(
         topology, context, actors, server, collective, streams, buffers, rebuild,
         server_mailbox, session_mailbox, trace,
@@ -133,6 +148,29 @@ def _collective(
         # Every transport compresses through the same wrapper, so the arithmetic does not depend on the topology.
         collective = CompressedCollective(collective, settings.compression)
     return collective
+
+
+def _sharding(settings: EngineSettings, recipe: Recipe, plan: BucketPlan, topology: Topology) -> ShardedStep | None:
+    """``shard_optimizer=True`` on more than one device in the run (on one, a shard is everything)."""
+    if not settings.shard_optimizer or topology.world_devices == 1:
+        return None
+    sharding = ShardedStep(topology.local_devices, topology.world_devices, topology.device_offset, plan, settings.sync_timeout)
+    sharding.clips_or_scales = recipe.clip_grad_norm is not None or recipe.scales_loss
+    return sharding
+
+
+def _shard_optimizers(sharding: ShardedStep, actors: Sequence[DeviceActor], topology: Topology, plan: BucketPlan) -> None:
+    """Each device's optimizer made to step its slices only (its state, if resumed, cut to them)."""
+    for actor in actors:
+        capture = actor.capture
+        shard = ReplicaShard(
+            actor.index, topology.device_offset + actor.index, topology.world_devices, plan, capture.params,
+            lambda capture=capture: capture.grads,  # type: ignore[misc]
+        )
+        sharding.shards.append(shard)
+    for shard, actor in zip(sharding.shards, actors):
+        shard.take_optimizer(actor.optimizer, lambda: sharding.shards)
+        actor.update.shard = shard
 
 
 def _batch_stats(
@@ -175,12 +213,13 @@ def _context(
     loop: LoopHandle,
     abort: threading.Event,
     batch_stats: BatchStatsExchange | None = None,
+    sharding: ShardedStep | None = None,
 ) -> ActorContext:
     """What the actors of the session share, and where its gradients live."""
     # One device in the whole run and no compression: a reduction is the identity. In one process on CPU the
     # reduction takes the gradients where autograd put them, so none is copied into a bucket first.
     alone = collective.world_devices == 1 and settings.compression is None
-    grads_in_place = alone or (settings.compression is None and IN_PLACE in collective.capabilities)
+    grads_in_place = alone or (settings.compression is None and IN_PLACE in collective.capabilities and sharding is None)
     device_names = [spec.name for spec in settings.devices]
     return ActorContext(
         plan=plan,
@@ -206,6 +245,7 @@ def _context(
         shared_thread=settings.device_threads == "shared",
         intra_op_threads=settings.intra_op_threads,
         batch_stats=batch_stats,
+        sharding=sharding,
         # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
         # thread the devices take turns anyway. SyncBatchNorm's devices meet inside forward and backward, so one
         # cannot finish its turn before the others start theirs: they run at once.

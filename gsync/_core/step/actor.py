@@ -285,6 +285,9 @@ class DeviceActor:
                     await self.jobs.run(self._forward_backward, shard)
                 if not await self._await_sync(shard.step, turns):
                     return
+                if self._context.sharding is not None:
+                    # The other devices' updated shards must be in this replica before it runs again.
+                    await self._context.sharding.gathered(shard.step)
             message = await self.mailbox.receive()
             if not isinstance(message, Close):
                 raise SyncFailed(self.step, None, f"protocol error: {message!r} after the last step")
@@ -332,7 +335,10 @@ class DeviceActor:
                 applied, fingerprint = await self.jobs.run_timed(job, message, site="optimizer step")
                 if fingerprint is not None and self._context.fingerprints is not None:
                     self._context.fingerprints.record(step, self.index, fingerprint)
-                self._context.session.post(applied)
+                if self._context.sharding is not None:
+                    self._context.sharding.applied(self.index, applied)  # reported once the shards are gathered
+                else:
+                    self._context.session.post(applied)
                 return True
             case StepSynced():
                 raise SyncFailed(step, None, f"protocol error: {self.spec.name} got {message!r} while at step {step}")

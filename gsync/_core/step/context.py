@@ -22,6 +22,7 @@ from ...errors import ReplicasDiverged
 from .mailbox import Mailbox
 from .inbox import ServerInbox
 from .batchnorm import BatchStatsExchange
+from .sharding import ShardedStep
 from .messages import DeviceMessage, SessionMessage
 from ..streams import HostStreamSync, StreamSync
 from ...trace import Trace
@@ -191,6 +192,9 @@ class ActorContext:
     devices split its cores (``Engine.intra_op_threads``); ``None``: the count of the thread that opens the session."""
     batch_stats: BatchStatsExchange | None = None
     """Where the replicas' ``nn.SyncBatchNorm`` layers sum their batch statistics; ``None``: the model has none."""
+    sharding: ShardedStep | None = None
+    """``shard_optimizer=True``: each device steps its shard of every bucket, gathered back after each step
+    (see :mod:`gsync._core.step.sharding`); ``None``: every device steps every parameter."""
 
 
 class DeviceEndpoint(Protocol):

@@ -102,6 +102,9 @@ class SyncServer:
             self._in_place_collective = cast(ReducesInPlace, collective)
         self._agreement = agreement
         self._rebuild = rebuild
+        # shard_optimizer: buckets are reduce-scattered, and a step that clips or scales its loss sums the
+        # shards' squared norms before StepSynced (see gsync._core.step.sharding).
+        self._sharding = context.sharding
         # The session's settings (timeout, trace, fault hooks, abort flag) come
         # from the context the actors share, so the two never disagree.
         self._timeout = context.sync_timeout
@@ -234,6 +237,10 @@ class SyncServer:
         final: BucketPlan | None = None
         if self._rebuild is not None and self.steps_synced == 1:
             self._plan = final = self._rebuild.apply() or self._plan
+        elif self._sharding is not None and self.steps_synced == 1:
+            # The shards are cut from the first plan, which is never rebuilt: it is final, so the devices may
+            # drop the last bucket's hooks.
+            final = self._plan
         if agreed.skip:
             self.skipped_steps.append(step)
             logger.warning("gsync: step %d skipped on every device: a loss was not finite (on_nonfinite='skip')", step)
@@ -250,7 +257,8 @@ class SyncServer:
         already finished (nothing needed the thread).
         """
         observe = self._rebuild is not None and self.steps_synced == 0
-        if self._buffers.empty and self._agreement.local and not observe:
+        norm = self._sharding is not None and self._sharding.clips_or_scales
+        if self._buffers.empty and self._agreement.local and not observe and not norm:
             self._agreed = self._agreement.agree(facts)
             return True
 
@@ -259,6 +267,11 @@ class SyncServer:
                 raise FitAborted
             if not self._buffers.empty:
                 self._broadcast_buffers(facts.step)
+            if norm and self._sharding is not None:
+                streams = self._context.streams
+                with streams.comm_streams():
+                    self._sharding.agree_norm(facts.step)
+                streams.after_broadcast()
             self._agreed = self._agreement.agree(facts)
             if observe and self._rebuild is not None:
                 self._rebuild.observe()
@@ -302,7 +315,11 @@ class SyncServer:
 
     def _reduce_flats(self, bucket: int, flats: list[torch.Tensor], weights: list[float]) -> int:
         if self._bucket_reducer is not None:
+            # Compression reduces whole buckets even when sharded (its hook keeps state per bucket).
             return self._bucket_reducer.reduce_bucket(bucket, flats, weights)
+        if self._sharding is not None:
+            self._collective.reduce_scatter(flats, weights)
+            return flats[0].numel() * flats[0].element_size()
         self._collective.all_reduce(flats, weights)
         return flats[0].numel() * flats[0].element_size()
 

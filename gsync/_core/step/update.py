@@ -18,6 +18,7 @@ from .capture import GradientCapture
 from .context import ActorContext
 from .messages import StepApplied, StepSynced
 from .readout import ScalarReadout
+from .sharding import ReplicaShard
 
 __all__ = ("ReplicaUpdate",)
 
@@ -52,6 +53,8 @@ class ReplicaUpdate:
         # Whether the optimizer's step ran in this optimizer job: with a GradScaler, that is whether the step
         # was skipped, known without GradScaler.get_scale(), a host sync (see _scaled_step).
         self._optimizer_stepped = False
+        self.shard: ReplicaShard | None = None
+        """``shard_optimizer=True``: this device's slices, which its optimizer steps (set as the session is assembled)."""
         if scaler is not None and hasattr(optimizer, "register_step_post_hook"):
             optimizer.register_step_post_hook(self._on_optimizer_step)
 
@@ -75,22 +78,28 @@ class ReplicaUpdate:
         self._context.streams.before_apply(self.index)
         lrs = self._learning_rates()
         with self._enter("optimizer"):
-            self._capture.hide_unused(synced.unused)
+            shard = self.shard
+            if shard is not None:
+                shard.attach(synced.unused)
+            else:
+                self._capture.hide_unused(synced.unused)
             self.optimizer_dirty = True
             try:
-                grad_norm, skipped = self._step()
+                grad_norm, skipped = self._step() if shard is None else self._sharded_step(shard)
                 # Inside the dirty window: a checkpoint holds the scheduler's
                 # state as of the same step as the parameters'.
                 self._step_scheduler()
             finally:
-                self._capture.restore_unused(synced.unused)
+                if shard is None:
+                    self._capture.restore_unused(synced.unused)
             # Only a step that returned leaves the replica consistent; the step
             # is recorded before the flag clears, so a reader never sees it late.
             self.applied_step = synced.step
             self.optimizer_dirty = False
         applied = StepApplied(self.index, synced.step, lrs[0], grad_norm, skipped, lrs)
         every = self._context.check_replicas_every
-        if every is not None and (synced.step + 1) % every == 0:
+        if every is not None and (synced.step + 1) % every == 0 and self.shard is None:
+            # Sharded, the replicas agree only once the shards are gathered, where they are compared.
             with torch.no_grad():
                 params = self._capture.params
                 return applied, float(sum(p.detach().double().sum() for p in params))  # type: ignore[arg-type]
@@ -113,6 +122,24 @@ class ReplicaUpdate:
         if scaler is not None:
             skipped = self._scaled_step(scaler)
         else:
+            self.optimizer.step()
+        return (self._grad_norm.get() if max_norm is not None else None), skipped
+
+    def _sharded_step(self, shard: ReplicaShard) -> tuple[float | None, bool]:
+        """:meth:`_step` on this device's shard: clipped by the norm over every shard, and with a GradScaler
+        whose inf flags are the whole gradient's, so every shard skips alike."""
+        scaler = self.scaler
+        max_norm = self._context.recipe.clip_grad_norm
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+            shard.agree_found_inf(scaler)
+        if max_norm is not None:
+            inv_scale = None
+            if scaler is not None and scaler.is_enabled():
+                inv_scale = scaler._scale.double().reciprocal()  # type: ignore[union-attr]
+            self._grad_norm.put(shard.clip(max_norm, inv_scale))
+        skipped = self._scaled_step(scaler) if scaler is not None else False
+        if scaler is None:
             self.optimizer.step()
         return (self._grad_norm.get() if max_norm is not None else None), skipped
 
