@@ -278,3 +278,98 @@ async def test_a_parameter_that_is_not_contiguous_is_refused_before_any_work() -
     engine = gsync.Engine(["cpu:0", "cpu:1"], shard_optimizer=True)
     with pytest.raises(gsync.ConfigError, match="weight is not contiguous"):
         await engine.fit(model, make_batches(1, 8, d_in=3), optimizer=adam, loss_fn=classification_loss)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints: the whole state, in the unsharded format; resumed across shardings and device counts
+# --------------------------------------------------------------------------------------------------
+
+
+async def run_from(
+    model: nn.Module, steps: Sequence[Sequence[Any]], devices: int, shard: bool, resume: gsync.Checkpoint | None
+) -> tuple[nn.Module, gsync.Checkpoint]:
+    trained = copy.deepcopy(model)
+    eng = gsync.Engine([f"cpu:{i}" for i in range(devices)], shard_optimizer=shard, **TINY)
+    async with eng.session(trained, optimizer=adamw, loss_fn=classification_loss, clip_grad_norm=0.5, scheduler=step_lr, resume=resume) as session:
+        for batches in steps:
+            await session.step(*batches)
+        checkpoint = session.checkpoint()
+    trained.load_state_dict(checkpoint.model_state)
+    return trained, checkpoint
+
+
+@pytest.mark.parametrize(
+    "first, then",
+    [((2, True), (3, False)), ((2, True), (3, True)), ((3, False), (2, True)), ((3, True), (2, True)), ((2, True), (1, False))],
+    ids=["2sharded-3unsharded", "2sharded-3sharded", "3unsharded-2sharded", "3sharded-2sharded", "2sharded-1"],
+)
+async def test_a_run_resumes_across_shardings_and_device_counts_exactly(
+    first: tuple[int, bool], then: tuple[int, bool], tmp_path: Any
+) -> None:
+    torch.manual_seed(8)
+    model = TiedNet()
+    steps = steps_of(accumulate=2, steps=4)
+    expected, _, _, _ = plain_loop(model, steps, optimizer=adamw, scheduler=step_lr, clip=0.5)
+    _, halfway = await run_from(model, steps[:2], *first, resume=None)
+    # Through a file, as fit's checkpoint_dir= and resume= take it.
+    halfway = gsync.Checkpoint.load(halfway.save(tmp_path / "halfway.pt"))
+    resumed, _ = await run_from(model, steps[2:], *then, resume=halfway)
+    assert_close_models(resumed, expected)
+
+
+async def test_a_sharded_checkpoint_is_the_unsharded_one() -> None:
+    torch.manual_seed(9)
+    model = TiedNet()
+    steps = steps_of(accumulate=1, steps=3)
+    _, whole = await run_from(model, steps, 3, False, resume=None)
+    _, gathered = await run_from(model, steps, 3, True, resume=None)
+    assert gathered.step == whole.step
+    assert_same_optimizer_state(gathered.optimizer_state, whole.optimizer_state)
+    assert gathered.scheduler_state == whole.scheduler_state
+    for name, value in whole.model_state.items():
+        torch.testing.assert_close(gathered.model_state[name], value, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("site", ["forward", "all_reduce"])
+async def test_a_failure_mid_step_leaves_the_last_whole_step_as_its_checkpoint(site: str) -> None:
+    import gsync.testing
+
+    torch.manual_seed(10)
+    model = TiedNet()
+    steps = steps_of(accumulate=1, steps=4)
+    expected, _, _, _ = plain_loop(model, steps[:2], optimizer=adamw, scheduler=step_lr, clip=0.5)
+    eng = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], shard_optimizer=True, **TINY)
+    fault = gsync.testing.fail(device=1, step=2, site=site)  # type: ignore[arg-type]
+    trained = copy.deepcopy(model)
+    with gsync.testing.inject(eng, fault), pytest.raises(gsync.GsyncError) as caught:
+        async with eng.session(trained, optimizer=adamw, loss_fn=classification_loss, clip_grad_norm=0.5, scheduler=step_lr) as session:
+            for batches in steps:
+                await session.step(*batches)
+    checkpoint = caught.value.checkpoint
+    assert checkpoint is not None and checkpoint.step == 1
+    restored = copy.deepcopy(model)
+    restored.load_state_dict(checkpoint.model_state)
+    assert_close_models(restored, expected)
+    # And it goes on from there as the uninterrupted run does.
+    uninterrupted, _, _, _ = plain_loop(model, steps, optimizer=adamw, scheduler=step_lr, clip=0.5)
+    resumed, _ = await run_from(model, steps[2:], 2, True, resume=checkpoint)
+    assert_close_models(resumed, uninterrupted)
+
+
+async def test_a_failure_inside_one_devices_optimizer_step_says_no_step_is_whole() -> None:
+    """Device 1 fails as its optimizer step starts, the others have stepped their shards: neither step's state
+    exists anywhere (each shard's only copy moved on, or did not), so the failure carries no checkpoint and says
+    why; the last checkpoint file is where to resume from."""
+    import gsync.testing
+
+    torch.manual_seed(11)
+    eng = gsync.Engine(["cpu:0", "cpu:1", "cpu:2"], shard_optimizer=True, **TINY)
+    fault = gsync.testing.fail(device=1, step=2, site="optimizer")
+    with gsync.testing.inject(eng, fault), pytest.raises(gsync.WorkerFailed) as caught:
+        async with eng.session(TiedNet(), optimizer=adamw, loss_fn=classification_loss) as session:
+            for batches in steps_of(accumulate=1, steps=4):
+                await session.step(*batches)
+    if caught.value.checkpoint is None:
+        assert any("no step's state is whole" in note for note in caught.value.__notes__)
+    else:  # the other devices had not begun theirs: the step before is whole
+        assert caught.value.checkpoint.step == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 
+import torch
 from torch import nn
 
 from ..step.actor import DeviceActor
@@ -39,6 +40,8 @@ def last_consistent(
 
     :raises RuntimeError: if every replica was interrupted inside its optimizer step.
     """
+    if actors and actors[0].update.shard is not None:
+        return _last_consistent_sharded(actors, first_step=first_step, model=model, resume=resume, buffers=buffers)
     clean = [actor for actor in actors if not actor.optimizer_dirty]
     idle = [actor for actor in clean if actor.name not in busy]
     if idle and max(a.applied_step for a in idle) == max(a.applied_step for a in clean):
@@ -50,6 +53,48 @@ def last_consistent(
         if resume is not None:
             return resume
         return Checkpoint.capture(-1, model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)
+    snapshot = buffers.snapshot(best.applied_step) if buffers is not None else None
+    return Checkpoint.capture(
+        best.applied_step, best.replica, best.optimizer, snapshot, scheduler=best.scheduler, scaler=best.scaler
+    )
+
+
+def _last_consistent_sharded(
+    actors: Sequence[DeviceActor],
+    *,
+    first_step: int,
+    model: nn.Module,
+    resume: Checkpoint | None,
+    buffers: BufferSync | None,
+) -> Checkpoint:
+    """:func:`last_consistent` with ``shard_optimizer``: each device holds the only copy of its shard's state, so
+    the state after a step is whole only when every device applied it, and then it is whole whether or not the
+    all-gather ran: each replica's own slices are the step's (the first replica gets the others', here).
+
+    :raises RuntimeError: when the devices stopped at different steps or inside one (a failure inside one
+        device's optimizer step while another finished its own): neither step is whole anywhere.
+    """
+    steps = {actor.applied_step for actor in actors}
+    if any(actor.optimizer_dirty for actor in actors) or len(steps) != 1:
+        raise RuntimeError(
+            "with shard_optimizer each device holds the only copy of its shard, and the devices stopped at different "
+            f"steps ({', '.join(f'{a.name}: {a.applied_step}' for a in actors)}) or inside one, so no step's state is "
+            "whole: resume from the last checkpoint file"
+        )
+    best = actors[0]
+    if best.applied_step < first_step:
+        if resume is not None:
+            return resume
+        return Checkpoint.capture(-1, model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)
+    with torch.no_grad():
+        for actor in actors[1:]:
+            shard = actor.update.shard
+            mine = best.update.shard
+            if shard is None or mine is None:
+                continue
+            for position, (start, stop) in enumerate(shard.ranges):
+                if stop > start:
+                    mine.params[position].view(-1)[start:stop].copy_(shard.slices[position].detach())
     snapshot = buffers.snapshot(best.applied_step) if buffers is not None else None
     return Checkpoint.capture(
         best.applied_step, best.replica, best.optimizer, snapshot, scheduler=best.scheduler, scaler=best.scaler
