@@ -22,6 +22,7 @@ from .checkpoint import Checkpoint
 from ._core.transports.compressed import resolve_compression
 from .comm.compressed import CompressionHook
 from ._core.step.context import SiteHook
+from ._core.arguments import uneven_setting
 from ._core.arguments import check_shardable, checked_recipe, positive, resume_argument, settings_for_model
 from ._core.devices import DeviceSpec, parse_devices, plan_device_threads
 from ._core.session.cancelling import cancellation_kept
@@ -266,6 +267,7 @@ class Engine:
         autocast: torch.dtype | None = None,
         resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
+        uneven: Literal["refuse", "join"] = "refuse",
     ) -> SessionOpener:
         """Open a session for your own loop: ``session = await engine.session(model, ...)``, or ``async with``.
 
@@ -307,6 +309,15 @@ class Engine:
         the session started has stopped once it is closed, and the engine
         can open another session.
 
+        With ``process_local_data=True`` and ``uneven="join"`` every step
+        starts with the ranks' row counts, so a rank whose data has ended
+        says so with ``await session.step(None)`` (``step(None, None)`` when
+        the others accumulate two batches: one ``None`` per batch it lacks):
+        it joins the step with empty shards, and each step's gradient is the
+        row-weighted mean over the rows that exist. Once no rank has a batch,
+        ``step`` trains nothing and returns a result with ``rows == 0``: every
+        rank's data has ended (see the multi-process page of the docs).
+
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
             arguments, at this call, before anything is built; when opening
             while this engine has another session open (naming where it was
@@ -317,6 +328,7 @@ class Engine:
         if self.shard_optimizer:
             check_shardable(model)
         settings = settings_for_model(self._settings(), model, self._device_threads_asked)
+        settings = uneven_setting(settings, uneven, process_local_data)
         return SessionOpener(self._slot, settings, model, recipe, resume, bool(process_local_data))
 
     async def aclose(self) -> None:
@@ -342,6 +354,7 @@ class Engine:
         epochs: int = 1,
         resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
+        uneven: Literal["refuse", "join"] = "refuse",
         scheduler: SchedulerFactory | None = None,
         clip_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
@@ -403,7 +416,12 @@ class Engine:
         batches instead (e.g. a ``DataLoader`` with a ``DistributedSampler``
         and ``drop_last=True``), split over its own devices; every process's
         batches must then have the same size at each step (checked), and
-        every process the same number of batches.
+        every process the same number of batches, unless ``uneven="join"``:
+        then a rank whose data ends first steps on with empty shards until
+        every rank's has ended (each epoch's, with ``epochs``), and every step
+        equals one process training on every rank's batch of that step that
+        exists, concatenated rank-major. By default (``"refuse"``) data of
+        unequal length stops every rank with a ``ConfigError``.
 
         Cancelling the calling task (``anyio.move_on_after``, ``Task.cancel``,
         a notebook interrupt) stops every actor and worker thread and
@@ -433,8 +451,11 @@ class Engine:
                 "shards of the optimizer state, and a checkpoint file (rank 0's) must hold all of it, which gsync does "
                 "not gather across processes yet; drop checkpoint_dir=, or shard_optimizer=, or train in one process"
             )
-        settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
+        settings = FitLoopSettings.checked(
+            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven
+        )
         engine_settings = settings_for_model(self._settings(), model, self._device_threads_asked)
+        engine_settings = uneven_setting(engine_settings, uneven, process_local_data)
         with cancellation_kept(
             "gsync: the fit was cancelled: every device stopped and the model is left as it was; fit again, with "
             "checkpoint_dir= and resume= to go on from the last checkpoint file"

@@ -47,7 +47,7 @@ import warnings
 import weakref
 from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import torch
@@ -239,6 +239,7 @@ class Session:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int = 2,
+        uneven: Literal["refuse", "join"] | None = None,
     ) -> FitResult:
         """Train on ``data`` from where the session is; ``Engine.fit`` is this call between an open and a close.
 
@@ -254,6 +255,10 @@ class Session:
         checkpoint came from: ``data`` is replayed and the steps the
         checkpoint includes are skipped, as ``Engine.fit(resume=...)`` does,
         and ``epochs`` counts the run's epochs, those before the checkpoint too.
+
+        ``uneven`` (default: the session's own, ``Engine.session(uneven=...)``)
+        says what ranks fed process-local data of unequal length do, as in
+        :meth:`gsync.Engine.fit`.
 
         A :class:`~gsync.StopTraining` from a callback ends the call early,
         normally, and the session stays open. A failure, or any other
@@ -274,7 +279,9 @@ class Session:
         :raises ~gsync.WorkerFailed: and the other errors of :meth:`gsync.Engine.fit`.
         """
         self._check_call()
-        settings = FitLoopSettings.checked(data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep)
+        settings = FitLoopSettings.checked(
+            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven
+        )
         with cancellation_kept(_CALL_CANCELLED):
             return await self._fit(data, settings)
 

@@ -186,6 +186,26 @@ def settings_for_model(settings: EngineSettings, model: nn.Module, asked: str) -
     )
 
 
+def check_uneven(uneven: object, process_local_data: object) -> None:
+    """:raises ~gsync.ConfigError: for an unknown ``uneven``, or ``"join"`` without process-local data."""
+    if uneven not in ("refuse", "join"):
+        raise ConfigError(f"uneven must be 'refuse' or 'join', got {uneven!r}")
+    if uneven == "join" and not process_local_data:
+        raise ConfigError(
+            "uneven='join' is for process-local data, where each rank's data may end at a different step: pass "
+            "process_local_data=True too (with global data every rank reads the same batches, which end together)"
+        )
+
+
+def uneven_setting(settings: EngineSettings, uneven: object, process_local_data: object) -> EngineSettings:
+    """The settings of a session whose ranks' process-local data may end at different steps.
+
+    :raises ~gsync.ConfigError: for an unknown ``uneven``, or ``"join"`` without ``process_local_data=True``.
+    """
+    check_uneven(uneven, process_local_data)
+    return settings if uneven == "refuse" else dataclasses.replace(settings, uneven="join")
+
+
 def check_shardable(model: nn.Module) -> None:
     """``shard_optimizer=True`` cuts each trainable parameter as a range of its elements, in memory order.
 

@@ -43,5 +43,8 @@ class EngineSettings:
     site_hooks: Sequence[SiteHook]
     """The engine's own list of site hooks, not a copy: a hook armed while a session is open
     (:func:`gsync.testing.inject`) applies to it from its next site."""
+    uneven: Literal["refuse", "join"] = "refuse"
+    """With process-local data, what the ranks do when one's data ends first (``Engine.session(uneven=...)``):
+    ``"join"``: it steps on with empty shards until every rank's has ended; ``"refuse"``: the run stops."""
     shard_optimizer: bool = False
     """Each device keeps optimizer state for its shard of every bucket only (see :mod:`gsync._core.step.sharding`)."""

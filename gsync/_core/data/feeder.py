@@ -205,9 +205,12 @@ class Feeder:
         batches_per_step: int = 1,
         resuming: bool = False,
         first_step: int = 0,
+        empty_epochs: bool = False,
     ) -> None:
         """``first_step``: the global index of the data's first step, for the step numbers of its errors (a
-        resumed fit's data counts from 0: it is replayed up to the checkpoint)."""
+        resumed fit's data counts from 0: it is replayed up to the checkpoint). ``empty_epochs``: an epoch
+        without a batch is allowed (``uneven="join"``: this rank joins the others' steps with empty shards)."""
+        self._empty_epochs = empty_epochs
         self._epoch_setters = epoch_setters(data, from_zero=resuming)
         self._reader = BatchReader(data, loop)
         self._epochs = epochs
@@ -259,7 +262,7 @@ class Feeder:
                     async for batch in batches:
                         await send.send(BatchRead(epoch, batch))
                         count += 1
-                if count == 0:
+                if count == 0 and not self._empty_epochs:
                     raise ConfigError(
                         "data yielded no batch"
                         if epoch == 0

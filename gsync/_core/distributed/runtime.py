@@ -124,7 +124,8 @@ def agree_over(
         raise ConfigError(
             f"{ending} of {world_size} ranks have no data after step {step} while the others "
             "do: every rank must run the same number of steps (same data length and epochs; with "
-            "process-local data, equal-length shards such as a DistributedSampler with drop_last=True)"
+            "process-local data, equal-length shards such as a DistributedSampler with drop_last=True, or "
+            "uneven='join' to let a rank whose data ended step on with empty shards until every rank's has)"
         )
     unused = tuple(int(p) for p in torch.nonzero(values[:num_params] == 0).flatten().tolist())
     return AgreedStep(unused, bool(values[num_params] > 0), float(values[num_params + 3]), bool(values[num_params + 5] > 0))

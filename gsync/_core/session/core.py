@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -105,6 +106,11 @@ class SessionCore(SessionOperations):
         self._recipe = recipe
         self._resume = resume
         self._process_local = bool(process_local_data)
+        self.joins = settings.uneven == "join"
+        """The session's own ``uneven="join"`` (``Engine.session(uneven=...)``)."""
+        self.joining = self.joins
+        """Each step starts with every rank's rows, so a rank whose data ended joins it with empty shards
+        (``step(None)``); a fit sets it for its own steps (``fit(uneven=...)``)."""
         self.first_step = 0 if resume is None else resume.next_step
         """The global index of this session's first step (> 0 when resuming)."""
         self._next_step = self.first_step
@@ -221,12 +227,23 @@ class SessionCore(SessionOperations):
         if not batches:
             raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
         step = self._next_step
-        shards, total_rows = self._split(batches, step)
-        weights = tuple(shard.weight for shard in shards)
-        local_rows = sum(sum(shard.rows) for shard in shards)
+        joining = self.joining and self._process_local
+        if joining:
+            own_rows = [0 if batch is None else batch_rows(batch, f"batch {i} of step {step}") for i, batch in enumerate(batches)]
+        else:
+            shards, total_rows = self._split(batches, step)
         started = time.perf_counter()
         async with self._operation():
-            _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last))
+            if joining:
+                joined = await self._join(batches, own_rows, step)
+                if joined is None:
+                    # No rank had a batch: every rank's data has ended, and nothing is trained.
+                    return StepResult(step=step, loss=math.nan, lr=math.nan, rows=0, seconds=0.0, world_size=self.world_size)
+                shards, total_rows = joined
+            weights = tuple(shard.weight for shard in shards)
+            # Joined, ranks' rows differ by design and their data ends apart: the step's agreement checks neither.
+            local_rows = 0 if joining else sum(sum(shard.rows) for shard in shards)
+            _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last and not joining))
             for actor, shard in zip(self._actors, shards):
                 actor.shards.post(shard)
             loss, applied = await self._await_applied(step)
@@ -258,6 +275,12 @@ class SessionCore(SessionOperations):
         padded: list[bool] = []
         topology = self._topology
         for batch in batches:
+            if batch is None:
+                raise ConfigError(
+                    f"step {step} was given None for a batch: a rank whose data has ended says so with step(None) "
+                    "only in a session of process-local data that joins uneven data: "
+                    "engine.session(..., process_local_data=True, uneven='join')"
+                )
             rows = batch_rows(batch, f"the batch of step {step}")
             counts, shards = self._split_one(batch, rows)
             total = rows * topology.world_size if self._process_local else rows
@@ -272,6 +295,55 @@ class SessionCore(SessionOperations):
         return [
             Shard(step, tuple(r), tuple(t), tuple(d), tuple(local_rows), tuple(padded)) for r, t, d in per_device
         ], global_rows
+
+    async def _join(self, batches: Sequence[Any], own_rows: list[int], step: int) -> tuple[list[Shard], int] | None:
+        """Every rank's rows in this step (one small all-reduce), and this process's shards for it.
+
+        A batch position no rank has is left out of the step; ``None`` when no
+        rank has any batch.
+
+        :raises ~gsync.ConfigError: on every rank, when the ranks passed different numbers of batches.
+        """
+        topology = self._topology
+        world, count = topology.world_size, len(batches)
+        table = torch.zeros(world * (count + 1), dtype=torch.float64)
+        table[topology.rank * count : (topology.rank + 1) * count] = torch.tensor(own_rows, dtype=torch.float64)
+        table[world * count + topology.rank] = count
+        runtime = self._runtime
+        if runtime is not None:
+            table = await self._collective_job(lambda: runtime.all_reduce(table, "sum"), "joining uneven data")
+        counts = [int(c) for c in table[world * count :].tolist()]
+        if any(c != count for c in counts):
+            raise ConfigError(
+                f"the ranks passed {counts} batches to step {step} (rank-major); with uneven='join' every rank passes "
+                "as many, None for each one it does not have (fit does so itself)"
+            )
+        rows = table[: world * count].view(world, count)
+        totals = rows.sum(dim=0)
+        kept = [p for p in range(count) if totals[p] > 0]
+        if not kept:
+            return None
+        local = topology.local_devices
+        per_device: list[tuple[list[int], list[int], list[Any]]] = [([], [], []) for _ in self._actors]
+        local_rows: list[tuple[int, ...]] = []
+        padded: list[bool] = []
+        for p in kept:
+            batch = batches[p]
+            counts_p, parts = ([0] * local, [None] * local) if batch is None else self._split_one(batch, own_rows[p])
+            total = int(totals[p])
+            local_rows.append(tuple(counts_p))
+            padded.append(bool((rows[:, p] == 0).any()))
+            for (device_rows, device_totals, data), rows_p, part in zip(per_device, counts_p, parts):
+                device_rows.append(rows_p)
+                device_totals.append(total)
+                data.append(part)
+        shards = [Shard(step, tuple(r), tuple(t), tuple(d), tuple(local_rows), tuple(padded)) for r, t, d in per_device]
+        return shards, int(sum(int(totals[p]) for p in kept))
+
+    @property
+    def process_local(self) -> bool:
+        """Each process feeds its own batches (``process_local_data=True``)."""
+        return self._process_local
 
     async def _await_applied(self, step: int) -> tuple[float, StepApplied]:
         """The step's loss, from the sync server, and the first device's report, once every device applied it."""

@@ -88,17 +88,28 @@ async def run_fit(
         if checkpoints is not None and (core.rank == 0 or (carry is not None and carry.elastic is not None))
         else None
     )
-    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry)
+    joining = settings.uneven == "join" or (settings.uneven is None and core.joins)
+    if joining and not core.process_local:
+        raise ConfigError(
+            "uneven='join' is for process-local data, where each rank's data may end at a different step: open the "
+            "session with process_local_data=True"
+        )
+    loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry, joining)
     # The fit reports the changes from its first step on: one made as its session opened (a rank lost while the
     # launch met, or the change that took this process into a running run) is its own; one made before an
     # earlier `session.step` is not.
     changes_before = sum(change.step < core.next_step for change in carry.membership_changes()) if carry is not None else 0
-    total = _total_steps(data, epochs, accumulate)
+    # Joined, the run's steps depend on the other ranks' data too.
+    total = None if joining else _total_steps(data, epochs, accumulate)
     replayed = core.next_step if resume is not None else 0  # a resumed run's bar starts where its checkpoint is
     display = Progress(total, core.next_step, replayed) if progress_wanted(settings.progress, core.rank) else None
     loop.progress = display
     try:
-        await loop.run(Feeder(data, epochs, core.loop_handle(), accumulate, resuming=resume is not None, first_step=core.next_step))
+        feeder = Feeder(
+            data, epochs, core.loop_handle(), accumulate, resuming=resume is not None, first_step=core.next_step,
+            empty_epochs=joining,
+        )
+        await loop.run(feeder)
         _check_trained(history, resume, epochs, accumulate)
         core = loop.core
         checkpoint = await _finish(loop, session, writer)
@@ -111,6 +122,7 @@ async def run_fit(
     finally:
         if display is not None:
             display.close()
+        loop.core.joining = loop.core.joins
     return FitResult(
         model=core.current_model() if result_model is None else result_model,
         losses=[record.loss for record in history],
@@ -172,8 +184,11 @@ class _FitLoop:
         writer: CheckpointWriter | None = None,
         resume: Checkpoint | None = None,
         carry: MembershipCarry | None = None,
+        joining: bool = False,
     ) -> None:
         self.session = session
+        self.joining = joining
+        """``uneven="join"``: a rank whose data ended steps on with empty shards until every rank's has."""
         self._core = core
         self._carry = carry
         self.resume = resume
@@ -195,6 +210,7 @@ class _FitLoop:
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
+        self.core.joining = self.joining
         if self._carry is None:
             return await self._core.step(batches, last=last)
 
@@ -220,7 +236,8 @@ class _FitLoop:
                 group.start_soon(feeder.run, send)
                 async with receive:
                     try:
-                        await self._consume(_FeedItems(receive), feeder.next_epoch)
+                        consume = self._consume_joined if self.joining else self._consume
+                        await consume(_FeedItems(receive), feeder.next_epoch)
                     except StopTraining:
                         pass
                 group.cancel_scope.cancel()
@@ -281,7 +298,78 @@ class _FitLoop:
                     raise error
         await self._run_held(last=True)
 
-    async def _run_held(self, last: bool) -> None:
+    async def _consume_joined(self, items: AsyncIterable[FeedItem], next_epoch: Callable[[], None]) -> None:
+        """``uneven="join"``: each rank's epoch ends with its data, the run's once every rank's has.
+
+        Every rank starts each epoch at the same step, and steps together
+        through it: with its own batches while it has them, then with empty
+        shards (``step(None, ...)``) until a step finds no rank with a batch.
+        A position is the run's ``(epoch, steps into it x accumulate)``, alike
+        on every rank, so a resumed rank replays its own data up to it (all
+        of it, when its data of that epoch ended before the checkpoint).
+        """
+        accumulate = self.accumulate
+        resume = self.resume
+        skip_epoch, skip_steps = -1, 0
+        if resume is not None:
+            if resume.data_position is None:
+                raise ConfigError(
+                    f"resuming after step {resume.step} with uneven='join' needs the checkpoint's data position, and "
+                    "this checkpoint has none: resume from a checkpoint file fit(checkpoint_dir=...) wrote"
+                )
+            skip_epoch, skip_steps = resume.data_position[0], resume.data_position[1] // accumulate
+        replaying = resume is not None
+        group: list[Any] = []
+        run_steps = 0  # the run's steps in this epoch so far
+        async for item in items:
+            match item:
+                case BatchRead(epoch=epoch, batch=batch):
+                    group.append(batch)
+                    if len(group) < accumulate:
+                        continue
+                    batches, group = group, []
+                    run_steps += 1
+                    if replaying and (epoch < skip_epoch or (epoch == skip_epoch and run_steps <= skip_steps)):
+                        self.position = (epoch, run_steps * accumulate)
+                        continue  # the checkpoint already includes this step
+                    replaying = False
+                    await self._run_held(last=False)
+                    self._held = (self.core.next_step, epoch, batches, (epoch, run_steps * accumulate))
+                case EpochEnded(epoch=epoch, final=final):
+                    if group:
+                        warnings.warn(
+                            f"epoch {epoch} ended with {len(group)} batch(es) that do not fill a step of "
+                            f"accumulate={accumulate}; they were left out",
+                            UserWarning,
+                            stacklevel=2,
+                        )
+                        group = []
+                    await self._run_held(last=False)
+                    if replaying and epoch < skip_epoch:
+                        run_steps = 0
+                        if not final:
+                            next_epoch()
+                        continue
+                    if replaying:
+                        # This rank's data of the checkpoint's epoch ended before the checkpoint: it was joining.
+                        replaying = False
+                        run_steps = max(run_steps, skip_steps)
+                        self._restore_generators()
+                    while True:
+                        self._held = (self.core.next_step, epoch, [None] * accumulate, (epoch, (run_steps + 1) * accumulate))
+                        result = await self._run_held(last=False)
+                        if result is not None and result.rows == 0:
+                            break  # no rank has a batch left in this epoch
+                        run_steps += 1
+                    run_steps = 0
+                    await self.call("on_epoch_end", self.session, epoch)
+                    if not final:
+                        next_epoch()
+                case ReadFailed(error=error):
+                    await self._run_held(last=False)
+                    raise error
+
+    async def _run_held(self, last: bool) -> StepResult | None:
         held, self._held = self._held, None
         result: StepResult | None = None
         due: Checkpoint | None = None
@@ -290,6 +378,8 @@ class _FitLoop:
             if self.resume is not None and step == self.resume.next_step:
                 self._restore_generators()
             result = await self._step(step, batches, last)
+            if result is not None and result.rows == 0:
+                return result  # joined, and no rank had a batch: nothing ran
             self.position = position
             self.core.data_position = position
             if result is not None:
@@ -313,6 +403,7 @@ class _FitLoop:
                 await self._write(due, generators_now=False)
             raise
         await self._write(due, generators_now=True)
+        return result
 
     def _restore_generators(self) -> None:
         """Once the data before a checkpoint is replayed: from here on the run draws random numbers as the one it

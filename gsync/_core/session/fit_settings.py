@@ -26,6 +26,8 @@ class FitLoopSettings:
     callbacks: list[Any]
     progress: bool | None
     checkpoints: CheckpointSettings | None
+    uneven: str | None = None
+    """``"join"``: ranks whose process-local data ended step on with empty shards; ``None``: the session's own."""
 
     @classmethod
     def checked(
@@ -38,6 +40,7 @@ class FitLoopSettings:
         checkpoint_dir: object,
         checkpoint_every: object,
         keep: object,
+        uneven: object = None,
     ) -> FitLoopSettings:
         """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -52,13 +55,16 @@ class FitLoopSettings:
         checkpoints = CheckpointSettings.of(checkpoint_dir, checkpoint_every, keep)  # type: ignore[arg-type]
         if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
             raise ConfigError(f"accumulate must be a positive int (batches per optimizer step), got {accumulate!r}")
+        if uneven not in (None, "refuse", "join"):
+            raise ConfigError(f"uneven must be 'refuse' or 'join', got {uneven!r}")
         per_epoch = batches_per_epoch(data)
-        if per_epoch == 0:
+        # Joined, a rank may have no data at all: it steps with empty shards while the others train.
+        if per_epoch == 0 and uneven != "join":
             raise ConfigError(
                 "data has no batch (its len() is 0); a DataLoader with drop_last=True and a batch_size larger than "
                 "its dataset has none: lower batch_size or set drop_last=False"
             )
-        if per_epoch is not None and per_epoch < accumulate:
+        if per_epoch is not None and per_epoch < accumulate and uneven != "join":
             raise ConfigError(
                 f"data has {per_epoch} batch(es) per epoch, fewer than the accumulate={accumulate} a step takes: "
                 "no step would run (an epoch's left-over batches are left out, not carried into the next); "
@@ -67,7 +73,7 @@ class FitLoopSettings:
         checked_callbacks = check_callbacks(callbacks)
         if progress is not None and not isinstance(progress, bool):
             raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints)
+        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints, uneven)  # type: ignore[arg-type]
 
 
 def check_callbacks(callbacks: object) -> list[Any]:

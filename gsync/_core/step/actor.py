@@ -172,7 +172,8 @@ class DeviceActor:
         jobs, capture = self.jobs, self.capture
         jobs.step = shard.step
         with jobs.enter("data"):
-            parts = [move_batch(data, self.spec.torch_device) for data in shard.data]
+            # None: no batch there on this rank (uneven="join"), so nothing to move.
+            parts = [None if data is None else move_batch(data, self.spec.torch_device) for data in shard.data]
         batches = len(parts)
         capture.start_step(shard.step, batches)
         weight = shard.weight
