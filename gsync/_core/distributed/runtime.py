@@ -117,7 +117,8 @@ def agree_over(
         if abs(total * total - world_size * squares) > 0.5:
             raise ConfigError(
                 f"ranks fed batches of different sizes at step {step} (mean {total / world_size:g} rows); with "
-                "process-local data every rank's batch must have the same number of rows (use drop_last=True)"
+                "process-local data every rank's batch must have the same number of rows (use drop_last=True), "
+                "unless the ranks join uneven data (uneven='join'), whose steps weigh each rank's rows"
             )
     ending = int(values[num_params + 4])
     if 0 < ending < world_size:

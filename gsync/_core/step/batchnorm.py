@@ -321,10 +321,6 @@ def _forward_on(exchange: BatchStatsExchange, device: int) -> Any:
     return forward
 
 
-def _reduced_dims(input: torch.Tensor) -> list[int]:
-    return [0, *range(2, input.dim())]
-
-
 def _per_channel(values: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
     return values.view(1, -1, *([1] * (input.dim() - 2)))
 
@@ -345,9 +341,9 @@ class _SyncBatchNorm(torch.autograd.Function):
     ) -> torch.Tensor:
         channels = input.shape[1]
         count = input.numel() // channels
-        dims = _reduced_dims(input)
         exact = input if input.dtype in (torch.float32, torch.float64) else input.float()
-        var, mean = torch.var_mean(exact, dim=dims, correction=0)
+        # The shard's mean and (biased) variance in one fused pass; torch.var_mean takes several times as long.
+        mean, var = torch.batch_norm_update_stats(exact, None, None, 0.0)
         # (rows, sum, sum of squares), the last from the shard's own variance: summed in float64, the global
         # variance loses nothing to cancellation a float32 sum of squares would.
         mean64, var64 = mean.double(), var.double()
@@ -362,40 +358,48 @@ class _SyncBatchNorm(torch.autograd.Function):
                 running_mean.mul_(1.0 - factor).add_(global_mean.to(running_mean), alpha=factor)
                 running_var.mul_(1.0 - factor).add_(unbiased.to(running_var), alpha=factor)
         mean_t = global_mean.to(device=input.device, dtype=exact.dtype)
-        invstd = torch.rsqrt(global_var + eps).to(device=input.device, dtype=exact.dtype)
-        output = (exact - _per_channel(mean_t, exact)) * _per_channel(invstd, exact)
-        if weight is not None:
-            output = output * _per_channel(weight.to(exact.dtype), exact)
-        if bias is not None:
-            output = output + _per_channel(bias.to(exact.dtype), exact)
-        ctx.save_for_backward(exact, weight, mean_t, invstd)
-        ctx.exchange, ctx.device, ctx.rows, ctx.input_dtype = exchange, device, rows, input.dtype
+        var_t = global_var.to(device=input.device, dtype=exact.dtype)
+        # Normalizing by given statistics is batch norm in eval mode: one fused kernel.
+        output = F.batch_norm(
+            exact, mean_t, var_t, None if weight is None else weight.to(exact.dtype),
+            None if bias is None else bias.to(exact.dtype), False, 0.0, eps,
+        )
+        ctx.save_for_backward(exact, weight, mean_t, var_t)
+        ctx.exchange, ctx.device, ctx.rows, ctx.input_dtype, ctx.eps = exchange, device, rows, input.dtype, eps
         ctx.share = exchange.share(device)
         return output.to(input.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        exact, weight, mean, invstd = ctx.saved_tensors
-        grad = grad_output.to(exact.dtype)
-        dims = _reduced_dims(exact)
-        centered = exact - _per_channel(mean, exact)
-        sum_dy = grad.sum(dim=dims)
-        sum_dy_xmu = (grad * centered).sum(dim=dims)
+        exact, weight, mean, var = ctx.saved_tensors
+        grad = grad_output.to(exact.dtype).contiguous()
+        invstd = torch.rsqrt(var + ctx.eps)
+        # Eval-mode batch norm's backward, fused: the shard's sum of dy and of dy * (x - mean) * invstd, which are
+        # the bias's and the weight's gradients (whatever the weight, so ones stand in for a missing one).
+        scale_in = torch.ones_like(mean) if weight is None else weight.to(exact.dtype)
+        _, dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            grad, exact, scale_in, mean, var, None, None, False, ctx.eps, [False, True, True]
+        )
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             share = ctx.share
             # Each shard's sums weighted by its share of the batch, as its gradient will be in the reduction.
-            local = torch.cat([sum_dy, sum_dy_xmu]).double() * share
+            local = torch.cat([sum_dy, dy_xhat / invstd]).double() * share
             total = ctx.exchange.reduce(ctx.device, local)
             channels = sum_dy.numel()
             scale = ctx.rows * share
             mean_dy = (total[:channels] / scale).to(device=exact.device, dtype=exact.dtype)
             mean_dy_xmu = (total[channels:] / scale).to(device=exact.device, dtype=exact.dtype)
-            grad_input = grad - _per_channel(mean_dy, exact) - centered * _per_channel(invstd * invstd * mean_dy_xmu, exact)
-            grad_input = grad_input * _per_channel(invstd if weight is None else invstd * weight.to(exact.dtype), exact)
+            # dx = w * invstd * (dy - mean(dy) - (x - mean) * invstd^2 * mean(dy * (x - mean))), per channel.
+            gain = invstd * scale_in
+            slope = -gain * invstd * invstd * mean_dy_xmu
+            # In place on one temporary, centred first: x * slope - mean * slope would cancel where |mean| >> std.
+            grad_input = exact - _per_channel(mean, exact)
+            grad_input.mul_(_per_channel(slope, exact)).sub_(_per_channel(gain * mean_dy, exact))
+            grad_input.addcmul_(grad, _per_channel(gain, exact))
             grad_input = grad_input.to(ctx.input_dtype)
         if weight is not None and ctx.needs_input_grad[1]:
-            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+            grad_weight = dy_xhat.to(weight.dtype)
         if ctx.needs_input_grad[2]:
             grad_bias = sum_dy.to(grad_output.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
