@@ -62,18 +62,29 @@ class LocalCollective:
         """Each device's shard of its buffer becomes the weighted sum of that shard over every device.
 
         Each shard is summed once, by the same arithmetic as :meth:`all_reduce_each` (so a sharded run
-        reduces exactly as an unsharded one), into a fresh tensor the size of one shard, then copied into
-        its owner's buffer: the owner's own term must not be overwritten before it is read. The rest of
-        each buffer is left as it was.
+        reduces exactly as an unsharded one): straight into its owner's buffer for two devices (one fused
+        pass) and for device 0's shard; otherwise into a fresh tensor the size of one shard, then copied
+        into its owner's buffer, whose own term must not be overwritten before the sum has read it. The
+        rest of each buffer is left as it was.
         """
         bounds = shard_bounds(tensors[0].numel(), len(tensors))
+        terms = [index for index, weight in enumerate(weights) if weight != 0.0]
         for owner, (start, stop) in enumerate(bounds):
             if start == stop:
                 continue
             parts = [tensor.view(-1)[start:stop] for tensor in tensors]
-            result = [parts[0].clone()]
+            if len(terms) == 2 and terms[0] == 0 and abs(weights[0] + weights[terms[1]] - 1.0) < 1e-12:
+                # all_reduce_each's fused pass, written straight into the owner's shard (an elementwise
+                # operation may write where it reads).
+                torch.lerp(parts[0], parts[terms[1]], weights[terms[1]], out=parts[owner])
+                continue
+            if owner == 0:
+                result = [parts[0]]  # the sum forms in device 0's tensor, as all_reduce_each's does
+            else:
+                result = [parts[0].clone()]
             _weighted_sum_into(result, [result] + [[part] for part in parts[1:]], weights)
-            parts[owner].copy_(result[0])
+            if owner != 0:
+                parts[owner].copy_(result[0])
 
     def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
         """Every buffer gets every owner's shard: ``devices - 1`` shard copies into each buffer, one bucket's bytes."""

@@ -373,3 +373,11 @@ async def test_a_failure_inside_one_devices_optimizer_step_says_no_step_is_whole
         assert any("no step's state is whole" in note for note in caught.value.__notes__)
     else:  # the other devices had not begun theirs: the step before is whole
         assert caught.value.checkpoint.step == 1
+
+
+async def test_an_optimizer_that_is_not_elementwise_is_refused_as_the_session_opens() -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], shard_optimizer=True)
+    lbfgs = lambda params: torch.optim.LBFGS(params)  # noqa: E731
+    with pytest.raises(gsync.ConfigError, match="LBFGS reevaluates"):
+        async with engine.session(TiedNet(), optimizer=lbfgs, loss_fn=classification_loss):
+            pass

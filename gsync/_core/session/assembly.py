@@ -121,6 +121,7 @@ def assemble(
             abort=abort,
             fingerprint=context.fingerprints.record if context.fingerprints is not None else None,
             check_every=settings.check_replicas_every,
+            trace=trace,
         )
     return Assembly(
         topology, context, actors, server, collective, streams, buffers, rebuild,

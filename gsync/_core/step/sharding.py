@@ -41,11 +41,12 @@ import torch
 from torch import nn
 
 from ...comm.base import Collective
-from ...errors import CheckpointError, GsyncError, SyncFailed
+from ...errors import CheckpointError, ConfigError, GsyncError, SyncFailed
 from ..gradients.buckets import BucketPlan, ReplicaGrads
 from ..streams import StreamSync
 from ..streams.cuda import CudaStreamSync, on_device
 from ..threads import FitAborted, Outcome, WorkerThread
+from ...trace import Trace
 from ..transports.sharding import shard_bounds
 from .mailbox import Mailbox
 from .messages import SessionMessage, StepApplied
@@ -96,6 +97,13 @@ class ReplicaShard:
     def take_optimizer(self, optimizer: torch.optim.Optimizer, peers: Callable[[], Sequence[ReplicaShard]]) -> None:
         """Make ``optimizer`` (built over the whole parameters, perhaps with a whole state loaded) step this
         device's slices only; its ``state_dict()`` then gathers ``peers()``' slices, and loading cuts a whole state."""
+        kind = type(optimizer).__name__
+        if kind in _NOT_ELEMENTWISE:
+            raise ConfigError(
+                f"shard_optimizer=True steps each device's slice of every parameter on its own, and {kind} "
+                f"{_NOT_ELEMENTWISE[kind]}: it would not train as unsharded; drop shard_optimizer= for it, or use an "
+                "elementwise optimizer (SGD, Adam, AdamW, RMSprop, ...)"
+            )
         slice_of = {id(param): piece for param, piece in zip(self.params, self.slices)}
         whole_of = {id(piece): param for param, piece in zip(self.params, self.slices)}
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
@@ -160,7 +168,8 @@ class ReplicaShard:
         gradient cannot overflow into a false inf, and any inf or NaN stays one)."""
         grads = self._grads()
         device = self.params[0].device
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        # One element rather than none: NCCL's all-reduce takes no 0-dim tensor.
+        total = torch.zeros(1, dtype=torch.float64, device=device)
         for position, (start, stop) in enumerate(self.ranges):
             if stop > start:
                 part = grads.view(position).reshape(-1)[start:stop]
@@ -172,7 +181,7 @@ class ReplicaShard:
         that norm (of the unscaled gradient)."""
         if self.squared_norm is None:
             raise RuntimeError("the step's squared norm was not computed")  # the server's job, every clipped step
-        norm = self.squared_norm.sqrt()
+        norm = self.squared_norm.sqrt().reshape(())
         if inv_scale is not None:
             norm = norm * inv_scale.double()
         norm = norm.to(torch.float32)
@@ -187,7 +196,7 @@ class ReplicaShard:
         scaler skips (and lowers its scale) alike."""
         if self.squared_norm is None or self.optimizer is None:
             raise RuntimeError("the step's squared norm was not computed")
-        found = (~torch.isfinite(self.squared_norm)).to(torch.float32)
+        found = (~torch.isfinite(self.squared_norm)).to(torch.float32).reshape(())
         state = scaler._per_optimizer_states[id(self.optimizer)]
         flags = state.get("found_inf_per_device", {})
         for flag in flags.values():
@@ -215,6 +224,12 @@ class ReplicaShard:
         params = [self.params[position].detach().view(-1) for position in plan.params]
         sources = [scratch[offset : offset + param.numel()] for param, offset in zip(params, plan.offsets)]
         torch._foreach_copy_(params, sources)
+
+
+_NOT_ELEMENTWISE = {
+    "LBFGS": "reevaluates the whole model in its closure and keeps a history over all parameters",
+    "Adafactor": "factors a matrix's second moment by rows and columns, which a slice does not have",
+}
 
 
 def _per_element(value: object, shape: torch.Size) -> bool:
@@ -250,9 +265,9 @@ def _gathered(state: dict[str, Any], shards: Sequence[ReplicaShard]) -> dict[str
         merged: dict[str, Any] = {}
         for name, value in found[0].items():  # type: ignore[union-attr]
             if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == owners[0][1].numel():
-                parts = [values[name].detach().reshape(-1) for values in found]  # type: ignore[index]
-                device = parts[0].device
-                merged[name] = torch.cat([part.to(device) for part in parts]).view(whole.shape)
+                # Joined on the CPU, where a checkpoint keeps it: no device ever holds the whole state at once.
+                parts = [values[name].detach().reshape(-1).to("cpu") for values in found]  # type: ignore[index]
+                merged[name] = torch.cat(parts).view(whole.shape)
             else:
                 merged[name] = value
         whole_state[key] = merged
@@ -288,6 +303,7 @@ class ShardedStep:
         self._fingerprint: Callable[[int, int, float], None] | None = None
         self._check_every: int | None = None
         self._abort: Any = None
+        self._trace: Trace | None = None
 
     def bind(
         self,
@@ -300,8 +316,10 @@ class ShardedStep:
         abort: Any,
         fingerprint: Callable[[int, int, float], None] | None,
         check_every: int | None,
+        trace: Trace | None = None,
     ) -> None:
         """The session's parts it gathers with (built after the actors' shared context)."""
+        self._trace = trace
         self._comm = comm
         self._collective = collective
         self._exact = exact
@@ -394,13 +412,15 @@ class ShardedStep:
             _order_after(cuda, compute_first=True)
         for bucket in range(len(self.plan.buckets)):
             scratches = [self._scratch_for(device, bucket) for device in range(self.local_devices)]
-            for shard, scratch in zip(self.shards, scratches):
-                with _on_comm(cuda, shard.index):
-                    shard.pack(bucket, scratch)
-            self._collective.all_gather(scratches)
-            for shard, scratch in zip(self.shards, scratches):
-                with _on_comm(cuda, shard.index):
-                    shard.unpack(bucket, scratch)
+            nbytes = scratches[0].numel() * scratches[0].element_size()
+            with self._trace.span("all_gather", step, bucket=bucket, nbytes=nbytes) if self._trace else _Nothing():
+                for shard, scratch in zip(self.shards, scratches):
+                    with _on_comm(cuda, shard.index):
+                        shard.pack(bucket, scratch)
+                self._collective.all_gather(scratches)
+                for shard, scratch in zip(self.shards, scratches):
+                    with _on_comm(cuda, shard.index):
+                        shard.unpack(bucket, scratch)
         if cuda is not None:
             _order_after(cuda, compute_first=False)
         every = self._check_every
