@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.batchnorm import NormNet, norm_loss, state_of, synced, worst_difference
+from tests.support.batchnorm import (
+    NormNet,
+    full_batch_reference,
+    norm_batches,
+    norm_loss,
+    state_of,
+    synced,
+    worst_difference,
+)
 from tests.support.harness import run_ranks
 from tests.support.models import TiedNet, classification_loss, sgd
 
@@ -172,3 +180,71 @@ def refused_by_default() -> str:
 def test_data_of_unequal_length_is_refused_by_default_naming_uneven_join() -> None:
     for result in run_ranks(refused_by_default, 2, timeout=80, check=True):
         assert "uneven='join'" in result.value, result.value
+
+
+class _UnevenElasticRanks:
+    """ElasticRanks (the store in this process, as torchrun's agent hosts it) running uneven_elastic_job.py."""
+
+    @staticmethod
+    def make(world_size: int, config: dict[str, Any]) -> Any:
+        import subprocess
+        import sys
+
+        from tests.multiproc import elastic_ranks
+
+        job = Path(__file__).with_name("uneven_elastic_job.py")
+
+        class Ranks(elastic_ranks.ElasticRanks):
+            def start(self, rank: int, config: dict[str, Any] | None = None) -> str:
+                import json
+
+                name = str(rank)
+                log = Path(self._tmp.name) / f"{name}.log"
+                self._logs[name] = log
+                with open(log, "wb") as output:
+                    self._processes[name] = subprocess.Popen(
+                        [sys.executable, str(job), json.dumps(config or self.config), str(Path(self._tmp.name) / f"{name}.pt")],
+                        env=self.env(rank), stdout=output, stderr=subprocess.STDOUT,
+                    )
+                return name
+
+        return Ranks(world_size, config)
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_after_its_data_ended_leaves_the_others_exact_under_elastic() -> None:
+    counts = [5, 2, 4]
+    # Rank 1's data ends after step 1; it joins steps 2 and 3 with empty shards and is killed after step 3.
+    with _UnevenElasticRanks.make(3, {"counts": counts, "kill": {"rank": 1, "after_step": 3}}) as ranks:
+        outcomes = ranks.results(120)
+        logs = ranks.logs()
+    expected = union_reference(tied_model(), union_steps(counts, 1), tied_loss)
+    for name in ("0", "2"):
+        outcome = outcomes.get(name)
+        assert outcome is not None and outcome["ok"], f"rank {name}: {outcome}\n{logs}"
+        worst, where = worst_difference(outcome["state"], expected)
+        assert worst < 1e-5, f"rank {name}: {where} is {worst:g} off the union run"
+        (change,) = outcome["membership"]
+        assert change[1:] == ((1,), 2, "lost"), change
+        assert outcome["steps"] == list(range(5)), outcome["steps"]
+    assert "1" not in outcomes  # killed: it saved nothing
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_killed_in_a_syncbatchnorm_forward_leaves_the_others_exact_under_elastic() -> None:
+    # Rank 1 dies in its forward of step 2: the others wait for it in the first layer's statistics collective,
+    # the membership changes, and step 2 is redone over the 2 survivors with the statistics of the new split.
+    steps = 5
+    with _UnevenElasticRanks.make(3, {"mode": "syncbn", "steps": steps, "kill": {"rank": 1, "in_step": 2}}) as ranks:
+        outcomes = ranks.results(120)
+        logs = ranks.logs()
+    expected = state_of(full_batch_reference(norm_model(), [[batch] for batch in norm_batches(steps, 12)]))
+    for name in ("0", "2"):
+        outcome = outcomes.get(name)
+        assert outcome is not None and outcome["ok"], f"rank {name}: {outcome}\n{logs}"
+        worst, where = worst_difference(outcome["state"], expected)
+        assert worst < 1e-5, f"rank {name}: {where} is {worst:g} off the full-batch run"
+        (change,) = outcome["membership"]
+        assert change[1:] == ((1,), 2, "lost"), change
+        assert outcome["steps"] == list(range(steps)), outcome["steps"]
+
