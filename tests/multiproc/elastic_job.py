@@ -12,7 +12,12 @@ forward pass of that step, kills itself with ``SIGKILL``, stops with
 every rank waits until a process has knocked, so a restarted rank is taken
 in before the run ends); ``dies_opening`` (a rank that kills itself with
 ``SIGKILL`` as its first session opens, when the ranks exchange their
-initial parameters); ``min_world_size``; ``answer_within``.
+initial parameters); ``min_world_size``; ``answer_within``;
+``evaluate_each_step`` (after every step, ``session.evaluate`` on
+:func:`evaluation_batches`: a ``die`` at step k then strikes in the
+evaluation after step k-1); ``idle_after`` (``{"step", "rank"}``, loop mode:
+after that step, that rank kills itself outside any gsync call while the
+others wait, idle, until the test sets :data:`IDLE_RELEASE_KEY`).
 """
 
 from __future__ import annotations
@@ -76,6 +81,29 @@ def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Te
     return nn.functional.mse_loss(model(x), y)
 
 
+def evaluation_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(ROWS, FEATURES, generator=generator), torch.randn(ROWS, 1, generator=generator)) for _ in range(2)]
+
+
+IDLE_RELEASE_KEY = "test/idle-release"
+
+
+def uninterrupted_evaluations(steps: int) -> list[float]:
+    """A plain loop's mean loss on :func:`evaluation_batches` after each step: what every evaluation must give."""
+    reference = model()
+    optim = optimizer(reference.parameters())
+    evaluations = []
+    for batch in global_batches(steps):
+        optim.zero_grad()
+        loss(reference, batch).backward()
+        optim.step()
+        with torch.no_grad():
+            batches = evaluation_batches()
+            evaluations.append(sum(float(loss(reference, b)) * len(b[0]) for b in batches) / sum(len(b[0]) for b in batches))
+    return evaluations
+
+
 def uninterrupted(steps: int) -> dict[str, torch.Tensor]:
     """The parameters of one plain PyTorch loop over the same global batches: what every elastic run must end with."""
     reference = model()
@@ -132,8 +160,10 @@ async def train(config: dict) -> dict:
     if config.get("dies_opening") == rank:
         die_as_the_session_opens()
     wait = config.get("wait_for_knock")
+    idle = config.get("idle_after")
+    evaluations: list[float] = []
     store = None
-    if wait is not None:
+    if wait is not None or idle is not None:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=60))
 
     class Probe:
@@ -142,6 +172,13 @@ async def train(config: dict) -> dict:
             world_sizes.append(result.world_size)
             if wait is not None and result.step == wait["step"] and store is not None:
                 await anyio.to_thread.run_sync(store.wait, [first_knock_key()])
+            if config.get("evaluate_each_step"):
+                evaluations.append((await session.evaluate(evaluation_batches()))["loss"])
+            if idle is not None and result.step == idle["step"] and store is not None:
+                if rank == idle["rank"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                # Idle, in the user's code: the loss is heard meanwhile, and met by the next step.
+                await anyio.to_thread.run_sync(store.wait, [IDLE_RELEASE_KEY])
 
         def on_membership_change(self, session: gsync.Session, change: gsync.MembershipChange) -> None:
             changes_seen.append(str(change))
@@ -186,6 +223,7 @@ async def train(config: dict) -> dict:
         "first_step": first_step,
         "world_sizes": world_sizes,
         "changes_seen": changes_seen,
+        "evaluations": evaluations,
     }
 
 

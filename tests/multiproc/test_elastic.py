@@ -18,7 +18,8 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from tests.multiproc.elastic_job import (
-    LOCAL_BATCH, assert_equal_to, local_dataset, loss, model, optimizer, reshard, uninterrupted,
+    IDLE_RELEASE_KEY, LOCAL_BATCH, assert_equal_to, local_dataset, loss, model, optimizer, reshard, uninterrupted,
+    uninterrupted_evaluations,
 )
 from tests.multiproc.elastic_ranks import ElasticRanks
 
@@ -81,6 +82,31 @@ def test_a_rank_killed_while_the_first_session_opens_leaves_the_others_to_start_
         assert outcomes[rank]["world_sizes"] == [2] * STEPS
         ((step, lost, joined, world_size, _seconds, reason),) = outcomes[rank]["membership"]
         assert (step, lost, joined, world_size, reason) == (0, (1,), (), 2, "lost")
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluate_interrupted_by_a_loss_is_redone_over_the_survivors() -> None:
+    """The evaluation after step 3 loses a rank midway: it is redone over the two left, and the fit goes on, exact."""
+    config = {"steps": STEPS, "evaluate_each_step": True, "die": {"rank": 1, "step": 4, "how": "kill"}}
+    with ElasticRanks(3, config) as ranks:
+        outcomes = survivors(ranks, ["0", "2"])
+    expected, evaluations = uninterrupted(STEPS), uninterrupted_evaluations(STEPS)
+    for rank in ("0", "2"):
+        assert_equal_to(expected, outcomes[rank])
+        assert outcomes[rank]["evaluations"] == pytest.approx(evaluations, abs=1e-5)
+        assert outcomes[rank]["world_sizes"][-1] == 2
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_lost_while_a_held_session_is_idle_is_met_by_the_next_step() -> None:
+    config = {"steps": STEPS, "mode": "loop", "idle_after": {"step": 3, "rank": 1}}
+    with ElasticRanks(3, config) as ranks:
+        assert ranks.wait("1", 60) == -signal.SIGKILL
+        ranks.store.set(IDLE_RELEASE_KEY, "go")
+        outcomes = survivors(ranks, ["0", "2"])
+    for rank in ("0", "2"):
+        assert_equal_to(uninterrupted(STEPS), outcomes[rank])
+        assert outcomes[rank]["world_sizes"] == [3] * 4 + [2] * (STEPS - 4)
 
 
 @pytest.mark.timeout(120)

@@ -79,7 +79,7 @@ class ProcessGroupCollective:
         self._offsets: tuple[int, ...] | None = None
         # Gloo's reduce-scatter is missing from some torch versions gsync supports and for some dtypes;
         # an all-reduce sliced afterwards is right everywhere (see reduce_scatter for its cost).
-        self._scatter_by_all_reduce = dist.get_backend(group) == "gloo"
+        self._scatter_by_all_reduce = not _uses_nccl(group)
 
     @property
     def world_devices(self) -> int:
@@ -271,3 +271,12 @@ def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
     # Collectives need dense memory; bucket buffers already are, so this copies
     # only for a caller's strided tensor, and the result is copied back.
     return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _uses_nccl(group: dist.ProcessGroup) -> bool:
+    try:
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        # An elastic generation's group, made directly and never registered with torch.distributed: its class
+        # says (by name: a CPU build of torch has no ProcessGroupNCCL to compare with).
+        return type(group).__name__ == "ProcessGroupNCCL"
