@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -123,3 +124,29 @@ async def test_the_users_model_keeps_torchs_own_forward(no_leaks: None) -> None:
     result = await gsync.Engine(_devices(2), sync_timeout=30).fit(model, norm_batches(1, 8), optimizer=norm_sgd, loss_fn=norm_loss)
     layers = [m for m in result.model.modules() if isinstance(m, nn.SyncBatchNorm)]
     assert layers and all("forward" not in vars(layer) for layer in layers)
+
+
+class _Recorded(nn.Module):
+    """Records which device thread enters it (a module-level list: every replica's copy appends to the same one)."""
+
+    entries: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Recorded.entries.append(threading.current_thread().name)
+        return x
+
+
+async def test_the_first_step_runs_the_devices_in_turn_between_their_meetings(no_leaks: None) -> None:
+    # Torch sets CPU kernels up on first use, and two threads doing so at once may round differently: the first
+    # step runs one device at a time, here between the layers where the devices meet.
+    model = nn.Sequential(nn.Linear(16, 8), _Recorded(), nn.BatchNorm1d(8), _Recorded(), nn.BatchNorm1d(8), nn.Linear(8, 5))
+    _Recorded.entries = []
+    engine = gsync.Engine(_devices(3), sync_timeout=30, device_threads="per_device")
+    async with engine.session(synced(model), optimizer=norm_sgd, loss_fn=norm_loss) as session:
+        await session.step(norm_batches(1, 9)[0])
+        first = list(_Recorded.entries)
+        for batch in norm_batches(3, 9, seed=3):
+            await session.step(batch)
+    devices = [f"gsync-device-{i}" for i in range(3)]
+    # Each segment between meetings runs on device 0, then 1, then 2.
+    assert first == devices + devices, first

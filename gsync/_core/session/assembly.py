@@ -88,7 +88,7 @@ def assemble(
     buffers = BufferSync([replica.module for replica in replicas])
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
-    batch_stats = _batch_stats(settings, replicas, runtime, abort)
+    batch_stats = _batch_stats(settings, replicas, runtime, abort, _first_step_in_turn(settings, len(replicas)))
     sharding = _sharding(settings, recipe, plan, topology)
     context = _context(
         settings, recipe, plan, len(replicas), collective, streams, trace, server_mailbox, session_mailbox, loop, abort,
@@ -174,8 +174,22 @@ def _shard_optimizers(sharding: ShardedStep, actors: Sequence[DeviceActor], topo
         actor.update.shard = shard
 
 
+def _first_step_in_turn(settings: EngineSettings, num_replicas: int) -> bool:
+    # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared thread the devices take
+    # turns anyway.
+    return (
+        num_replicas > 1
+        and settings.device_threads == "per_device"
+        and all(spec.torch_device.type == "cpu" for spec in settings.devices)
+    )
+
+
 def _batch_stats(
-    settings: EngineSettings, replicas: Sequence[Replica], runtime: ProcessGroupRuntime | None, abort: threading.Event
+    settings: EngineSettings,
+    replicas: Sequence[Replica],
+    runtime: ProcessGroupRuntime | None,
+    abort: threading.Event,
+    in_turn: bool,
 ) -> BatchStatsExchange | None:
     """Where the replicas' ``nn.SyncBatchNorm`` layers sum their statistics, each layer given gsync's forward."""
     if not replicas or not has_sync_batchnorm(replicas[0].module):
@@ -187,6 +201,7 @@ def _batch_stats(
         sync_batchnorm_width(replicas[0].module),
         runtime.membership if runtime is not None else None,
         settings.sync_timeout * settings.devices_in_turn + GROUP_TIMEOUT_MARGIN_S,
+        first_step_in_turn=in_turn,
     )
     for index, replica in enumerate(replicas):
         adopt_sync_batchnorm(replica.module, index, exchange)
@@ -247,17 +262,9 @@ def _context(
         intra_op_threads=settings.intra_op_threads,
         batch_stats=batch_stats,
         sharding=sharding,
-        # CPU kernels only: on GPUs the devices' first steps stay concurrent. On one shared
-        # thread the devices take turns anyway. SyncBatchNorm's devices meet inside forward and backward, so one
-        # cannot finish its turn before the others start theirs: they run at once.
-        first_step=(
-            FirstStepInTurn(num_replicas)
-            if num_replicas > 1
-            and batch_stats is None
-            and settings.device_threads == "per_device"
-            and all(spec.torch_device.type == "cpu" for spec in settings.devices)
-            else None
-        ),
+        # With SyncBatchNorm the devices take their forward and backward turns inside the job (batchnorm.py), and
+        # their optimizer steps in turn here.
+        first_step=FirstStepInTurn(num_replicas) if _first_step_in_turn(settings, num_replicas) else None,
     )
 
 

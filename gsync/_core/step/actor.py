@@ -158,8 +158,15 @@ class DeviceActor:
         """
         inbox = self._context.server
         inbox.job_started(self.index)
+        stats = self._context.batch_stats
         try:
-            self._run_batches(shard)
+            if stats is not None:
+                stats.job_started(self.index, shard.step)
+            try:
+                self._run_batches(shard)
+            finally:
+                if stats is not None:
+                    stats.job_ended(self.index)
         except BaseException:
             # The server still gets what was posted; if the session is already gone,
             # the job's own error is the one to report.
@@ -301,7 +308,8 @@ class DeviceActor:
         phase = "forward_backward"
         jobs = self.jobs
         try:
-            if self.index > 0:
+            # With SyncBatchNorm the devices meet inside the job: they take their turns there (batchnorm.py).
+            if self.index > 0 and self._context.batch_stats is None:
                 # Seen by the heartbeat and a timeout as waiting on a peer device, not as stuck.
                 jobs.step, jobs.site, jobs.waiting = shard.step, "waiting for its first-step turn", True
                 await turns.wait_turn(phase, self.index)

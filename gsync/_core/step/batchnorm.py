@@ -34,6 +34,14 @@ one size (room for the widest layer, and an *active* count), and the ranks
 with rows end the batch with one collective whose active count is zero; a
 rank without rows all-reduces zeros until it sees that one.
 
+The session's first step on several CPU devices runs their work one device
+at a time, as :class:`~gsync._core.step.context.FirstStepInTurn` does for
+models without these layers (torch sets CPU kernels up on their first use,
+and two threads doing so at once now and then round differently): here the
+devices cannot take whole turns, since each layer waits for the others, so
+they take turns between meetings. The runnable device with the lowest index
+runs; a device waiting in a rendezvous is not runnable until it completes.
+
 A waiting device leaves with :class:`~gsync._core.threads.FitAborted` once
 the session's abort flag is set (a peer device failed), and with
 :class:`~gsync.SyncTimeout` after ``sync_timeout``; a collective that fails
@@ -171,8 +179,11 @@ class BatchStatsExchange:
         width: int,
         membership: GroupMembership | None = None,
         group_timeout_s: float | None = None,
+        first_step_in_turn: bool = False,
     ) -> None:
         self._names = list(device_names)
+        self._runnable: set[int] | None = set(range(len(device_names))) if first_step_in_turn else None
+        """During the first step in turns: the devices that may run (see the module docstring); ``None`` after."""
         self._abort = abort
         self._timeout = sync_timeout
         self._batches: list[_Batch | None] = [None] * len(self._names)
@@ -185,6 +196,34 @@ class BatchStatsExchange:
         )
 
     # -- in the device threads -------------------------------------------------
+
+    def job_started(self, device: int, step: int) -> None:
+        """Device ``device``'s forward and backward job of ``step`` begins: in the first step, once it is its turn."""
+        if self._runnable is not None:
+            self._await_turn(device, step)
+
+    def job_ended(self, device: int) -> None:
+        """Device ``device``'s forward and backward job ended (however it ended): the next device runs."""
+        if self._runnable is None:
+            return
+        with self._changed:
+            if self._runnable is not None:
+                self._runnable.discard(device)
+                if not self._runnable:
+                    self._runnable = None  # every device's first step is done: from now on they run at once
+                self._changed.notify_all()
+
+    def _await_turn(self, device: int, step: int) -> None:
+        deadline = time.monotonic() + self._timeout * len(self._names)
+        with self._changed:
+            while self._runnable is not None and min(self._runnable, default=device) != device:
+                if self._abort.is_set():
+                    raise FitAborted
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._abort.set()
+                    raise SyncTimeout(step, self._timeout, stalled_devices=[self._names[min(self._runnable)]], site="first-step turn")
+                self._changed.wait(min(_WAIT_SLICE_S, left))
 
     def begin_batch(self, device: int, step: int, position: int, local_rows: Sequence[int], padded: bool, share: float) -> None:
         """Device ``device`` starts forward of batch ``position`` of ``step`` (it has rows in it)."""
@@ -235,6 +274,9 @@ class BatchStatsExchange:
                 slot = self._slots[key] = _Slot(batch.participants)
             slot.parts[device] = values if values is not None else torch.empty(0)
             last = len(slot.parts) == slot.expected
+            if self._runnable is not None and not last:
+                self._runnable.discard(device)  # waiting here: the next device takes its turn
+                self._changed.notify_all()
         if last:
             try:
                 total = None if end else _sum_in_order(slot.parts)
@@ -252,6 +294,8 @@ class BatchStatsExchange:
                 raise
             with self._changed:
                 slot.result = total if total is not None else torch.empty(0)
+                if self._runnable is not None:
+                    self._runnable.update(slot.parts)
                 self._changed.notify_all()
         else:
             self._wait(slot, batch)
@@ -259,6 +303,8 @@ class BatchStatsExchange:
             slot.taken += 1
             if slot.taken == slot.expected:
                 del self._slots[key]
+        if self._runnable is not None:
+            self._await_turn(device, batch.step)
         return slot.result
 
     def _wait(self, slot: _Slot, batch: _Batch) -> None:
