@@ -215,6 +215,8 @@ class _FitLoop:
             return await self._core.step(batches, last=last)
 
         async def changed(change: MembershipChange) -> None:
+            # The step is redone on the new membership's core: it joins as this fit does.
+            self.core.joining = self.joining
             await self.call("on_membership_change", self.session, change)
 
         return await self._carry.step(batches, last, changed, step)
