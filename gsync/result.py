@@ -90,7 +90,9 @@ class StepResult:
     """The learning rate this step used (the first parameter group's, before the scheduler stepped; ``lrs`` has
     every group's)."""
     rows: int
-    """Rows in the step's global batches, over every process."""
+    """Rows in the step's global batches, over every process. 0 in a session that joins uneven data
+    (``uneven="join"``) when no rank had a batch: nothing was trained, and every rank's data has ended (``step`` is
+    then the index the next step will have, ``loss`` and ``lr`` NaN)."""
     seconds: float
     """Wall time of the step, from dispatch until every local replica applied it."""
     grad_norm: float | None = None
