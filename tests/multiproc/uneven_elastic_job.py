@@ -24,7 +24,7 @@ import anyio
 import torch
 
 import gsync
-from tests.multiproc.test_uneven_join import norm_model, rank_batches, tied_loss, tied_model
+from tests.multiproc.test_uneven_join_multiprocess import norm_model, rank_batches, tied_loss, tied_model
 from tests.support.batchnorm import norm_batches, norm_loss, norm_sgd, synced
 from tests.support.models import sgd
 
