@@ -9,6 +9,7 @@ reported as its own pytest test.
 
 from __future__ import annotations
 
+import threading
 import traceback
 from collections.abc import Callable
 
@@ -126,7 +127,8 @@ def _strided(session: GroupMembership, topology: Topology) -> None:
 
 def _reduce_scatter(dtype: torch.dtype, numel: int, scatter_by_all_reduce: bool) -> Case:
     """Each device's shard (shard_bounds over every device of every rank) is the weighted sum; over gloo by its
-    all-reduce, and by the reduce-scatter path other backends take (gloo has one in this torch)."""
+    all-reduce, and by the reduce-scatter path other backends take (gloo has one in this torch, waited without
+    polling)."""
 
     def run(session: GroupMembership, topology: Topology) -> None:
         n = topology.world_devices
@@ -139,7 +141,10 @@ def _reduce_scatter(dtype: torch.dtype, numel: int, scatter_by_all_reduce: bool)
         weights = [w / sum(weights) for w in weights]
         expected = sum(w * t.double() for w, t in zip(weights, tensors) if w != 0)
         local = tensors[topology.local_slice]
-        collective = _collective(session, topology)
+        # Over gloo as a session runs it: with an abort flag, so every wait polls (gloo's own reduce-scatter
+        # never reports completion to that polling, which is why gloo takes the all-reduce).
+        abort = threading.Event() if scatter_by_all_reduce else None
+        collective = ProcessGroupCollective(session.group, topology, abort)
         collective._scatter_by_all_reduce = scatter_by_all_reduce
         collective.reduce_scatter(local, weights[topology.local_slice])
         tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)

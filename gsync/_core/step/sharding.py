@@ -86,6 +86,8 @@ class ReplicaShard:
             # Shares the parameter's memory: the optimizer's in-place update is the replica's.
             self.slices.append(nn.Parameter(param.detach().view(-1)[start:stop]))
         self.owned = [stop > start for start, stop in self.ranges]
+        # This device's range of each bucket, where its reduced gradient lies after the reduce-scatter.
+        self.bucket_ranges = [shard_bounds(bucket.numel, world_devices)[global_index] for bucket in plan.buckets]
         self._positions = {id(piece): position for position, piece in enumerate(self.slices)}
         self.optimizer: torch.optim.Optimizer | None = None
         self.squared_norm: torch.Tensor | None = None
@@ -170,9 +172,11 @@ class ReplicaShard:
         device = self.params[0].device
         # One element rather than none: NCCL's all-reduce takes no 0-dim tensor.
         total = torch.zeros(1, dtype=torch.float64, device=device)
-        for position, (start, stop) in enumerate(self.ranges):
+        for bucket, (start, stop) in enumerate(self.bucket_ranges):
             if stop > start:
-                part = grads.view(position).reshape(-1)[start:stop]
+                # The shard's range of the bucket: a gradient no device had is zeros there, as it is left
+                # out of clip_grad_norm_ unsharded.
+                part = grads.flat(bucket)[start:stop]
                 total += torch.linalg.vector_norm(part, 2, dtype=torch.float64).square()
         return total
 

@@ -77,8 +77,13 @@ class ProcessGroupCollective:
         # Every rank's first global device, learned by the first reduce_scatter or all_gather (a collective,
         # which every rank reaches in the same order), since a topology knows only its own rank's place.
         self._offsets: tuple[int, ...] | None = None
-        # Gloo's reduce-scatter is missing from some torch versions gsync supports and for some dtypes;
-        # an all-reduce sliced afterwards is right everywhere (see reduce_scatter for its cost).
+        self._send: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._gather_into_tensor = True
+        # Gloo's reduce-scatter is missing from some torch versions gsync supports, and where it exists (2.13)
+        # its work never reports completion to gsync's abortable wait (is_completed stays False; measured):
+        # over gloo an all-reduce sliced afterwards, which is right everywhere (see reduce_scatter for its
+        # cost). Another backend's is tried, and where it refuses (before sending anything, on every rank
+        # alike), the same all-reduce.
         self._scatter_by_all_reduce = not _uses_nccl(group)
 
     @property
@@ -121,10 +126,10 @@ class ProcessGroupCollective:
         """Each local device's shard of its buffer becomes the weighted sum of that shard over every device.
 
         The local devices are summed in process first, as in :meth:`all_reduce`; then each process needs
-        only its own devices' shards, a contiguous range. Over gloo that range is cut from one all-reduce of
-        the whole buffer: twice the bytes per rank of a true reduce-scatter (about ``2 (P-1)/P`` buffers
-        against ``(P-1)/P`` for ``P`` processes), as unsharded, so sharding saves gloo runs no traffic. Other
-        backends (NCCL) reduce-scatter, the buffer padded to equal chunks where the split is uneven.
+        only its own devices' shards, a contiguous range: a reduce-scatter over the processes, the buffer
+        padded to equal chunks where the split is uneven (NCCL). Over gloo, and a backend that has none, the
+        range is cut from one all-reduce of the whole buffer instead: twice the bytes per rank (about
+        ``2 (P-1)/P`` buffers against ``(P-1)/P`` for ``P`` processes), as unsharded.
 
         :raises ~gsync.GsyncError: as :meth:`all_reduce`. :raises RuntimeError: as :meth:`all_reduce`.
         """
@@ -137,11 +142,17 @@ class ProcessGroupCollective:
         flat = target.view(-1)
         topology = self._topology
         if topology.world_size > 1:
+            ranges = process_bounds(numel, topology.world_devices, self._rank_offsets(target))
+            if not self._scatter_by_all_reduce:
+                try:
+                    self._reduce_scatter_ranges(flat, ranges)
+                except (RuntimeError, NotImplementedError) as error:
+                    if not _unsupported(error):
+                        raise
+                    self._scatter_by_all_reduce = True
             if self._scatter_by_all_reduce:
                 work = dist.all_reduce(target, op=dist.ReduceOp.SUM, group=self._group, async_op=True)
                 wait_work(work, self._abort, blocking=not target.is_cuda)
-            else:
-                self._reduce_scatter_ranges(flat, process_bounds(numel, topology.world_devices, self._rank_offsets(target)))
         bounds = shard_bounds(numel, topology.world_devices)
         for position, tensor in enumerate(tensors[1:], start=1):
             start, stop = bounds[topology.device_offset + position]
@@ -169,18 +180,16 @@ class ProcessGroupCollective:
             longest = max(stop - start for start, stop in ranges)
             start, stop = ranges[topology.rank]
             direct = all(stop - start == longest for start, stop in ranges)
-            if direct:
-                # Equal ranges: gathered straight into the buffer (its own range from a copy, never aliased).
-                outputs = [flat[a:b] for a, b in ranges]
-                mine = flat[start:stop].clone()
-            else:
-                gathered = flat.new_empty(longest * len(ranges))
-                outputs = list(gathered.split(longest))
-                mine = flat.new_zeros(longest)
-                mine[: stop - start].copy_(flat[start:stop])
-            work = dist.all_gather(outputs, mine, group=self._group, async_op=True)
-            wait_work(work, self._abort, blocking=not target.is_cuda)
+            # Sent from a buffer kept for the session (a shard's size), never from the range it lands in.
+            mine = self._send_buffer(flat, longest)
             if not direct:
+                mine.zero_()
+            mine[: stop - start].copy_(flat[start:stop])
+            # Equal ranges: gathered straight into the buffer; uneven ones padded, then cut back.
+            gathered = flat if direct else flat.new_empty(longest * len(ranges))
+            self._all_gather_into(gathered, mine)
+            if not direct:
+                outputs = gathered.split(longest)
                 for rank, ((a, b), output) in enumerate(zip(ranges, outputs)):
                     if rank != topology.rank:
                         flat[a:b].copy_(output[: b - a])
@@ -232,6 +241,31 @@ class ProcessGroupCollective:
         start, stop = ranges[self._topology.rank]
         flat[start:stop].copy_(output[: stop - start])
 
+    def _send_buffer(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements like ``like``'s, kept across calls: no allocation per bucket
+        and step, which on the CPU fragments the heap a step at a time."""
+        key = (like.dtype, like.device)
+        buffer = self._send.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._send[key] = like.new_empty(numel)
+        return buffer[:numel]
+
+    def _all_gather_into(self, output: torch.Tensor, mine: torch.Tensor) -> None:
+        """``output`` (contiguous, ranks x ``mine``) gets every rank's ``mine``, in rank order."""
+        if self._gather_into_tensor:
+            try:
+                work = dist.all_gather_into_tensor(output, mine, group=self._group, async_op=True)
+            except (RuntimeError, NotImplementedError) as error:
+                if not _unsupported(error):
+                    raise
+                # A backend without it refuses before sending anything, on every rank alike: the list form.
+                self._gather_into_tensor = False
+            else:
+                wait_work(work, self._abort, blocking=not output.is_cuda)
+                return
+        work = dist.all_gather(list(output.split(mine.numel())), mine, group=self._group, async_op=True)
+        wait_work(work, self._abort, blocking=not output.is_cuda)
+
     def _rank_offsets(self, like: torch.Tensor) -> tuple[int, ...]:
         """Each rank's first global device: gathered once, on the device the group's collectives use."""
         if self._offsets is None:
@@ -251,6 +285,15 @@ class ProcessGroupCollective:
             tensors[0].copy_(result)
         for tensor in tensors[1:]:
             tensor.copy_(result, non_blocking=True)
+
+
+def _unsupported(error: BaseException) -> bool:
+    """Whether ``error`` is a backend refusing an operation it does not have (raised before any byte is sent,
+    alike on every rank), rather than a collective that failed."""
+    text = str(error).lower()
+    return isinstance(error, NotImplementedError) or any(
+        words in text for words in ("not supported", "does not support", "unsupported", "not implemented")
+    )
 
 
 def _weighted_local_sum(target: torch.Tensor, tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
