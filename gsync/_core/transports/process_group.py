@@ -80,7 +80,8 @@ class ProcessGroupCollective:
         self._send: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self._gather_into_tensor = True
         # Gloo's reduce-scatter is missing from some torch versions gsync supports, and where it exists (2.13)
-        # its work never reports completion to gsync's abortable wait (is_completed stays False; measured):
+        # its async work cannot be waited on in slices: is_completed() stays False, and wait(timeout) returns
+        # True before a late peer has even sent (measured), so only a wait no abort can end would be right:
         # over gloo an all-reduce sliced afterwards, which is right everywhere (see reduce_scatter for its
         # cost). Another backend's is tried, and where it refuses (before sending anything, on every rank
         # alike), the same all-reduce.
