@@ -381,3 +381,11 @@ async def test_an_optimizer_that_is_not_elementwise_is_refused_as_the_session_op
     with pytest.raises(gsync.ConfigError, match="LBFGS reevaluates"):
         async with engine.session(TiedNet(), optimizer=lbfgs, loss_fn=classification_loss):
             pass
+
+
+async def test_checkpoint_files_across_processes_are_refused_before_any_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Each process holds its own devices' shards only, and rank 0's file would need all of them."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; nothing is joined before the refusal
+    engine = gsync.Engine(["cpu"], shard_optimizer=True)
+    with pytest.raises(gsync.ConfigError, match="checkpoint_dir= with shard_optimizer=True across processes"):
+        await engine.fit(TiedNet(), make_batches(2, 8), optimizer=adamw, loss_fn=classification_loss, checkpoint_dir=tmp_path)
