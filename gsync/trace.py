@@ -41,9 +41,9 @@ __all__ = ("Trace", "TraceEvent")
 logger = logging.getLogger("gsync")
 
 # The kinds of events the communication thread records; device phases are all other span names.
-_COMM_SPANS = frozenset({"all_reduce", "finish_step"})
+_COMM_SPANS = frozenset({"all_reduce", "finish_step", "all_gather"})
 # The spans that belong to an optimizer step (not ``evaluate``, whose step is the last one trained).
-_STEP_SPANS = frozenset({"data", "forward", "backward", "optimizer", "all_reduce", "finish_step"})
+_STEP_SPANS = frozenset({"data", "forward", "backward", "optimizer", "all_reduce", "finish_step", "all_gather"})
 # Marks: instants recorded when a session ends other than normally.
 _MARKS = frozenset({"failed", "cancelled", "membership"})
 # Device index of the communication thread's events; of marks on the steps track.
@@ -61,7 +61,8 @@ class TraceEvent(msgspec.Struct, frozen=True, gc=False):
 
     name: str
     """``data``, ``forward``, ``backward``, ``optimizer``, ``evaluate`` (per device), ``all_reduce`` and
-    ``finish_step`` (buffer broadcast and cross-process agreement) on the communication thread, or a mark:
+    ``finish_step`` (buffer broadcast and cross-process agreement) on the communication thread (and with
+    ``shard_optimizer=True``, ``all_gather``: a bucket's updated shards back into every replica), or a mark:
     ``failed``, ``cancelled`` or ``membership`` (an elastic run's change: ``error`` is its reason, ``message``
     says who left and joined; an instant: ``start_us == end_us``)."""
     step: int
@@ -69,7 +70,7 @@ class TraceEvent(msgspec.Struct, frozen=True, gc=False):
     """Device index, -1 for the communication thread, or -2 for a mark that belongs to no device or thread
     (a failure of another rank, of the data, of your own code; a cancellation)."""
     bucket: int
-    """Bucket index for ``all_reduce``, else -1."""
+    """Bucket index for ``all_reduce`` and ``all_gather``, else -1."""
     start_us: float
     end_us: float
     """Microseconds since the trace started (``time.perf_counter``)."""
@@ -175,7 +176,7 @@ class Trace:
             if event.bucket >= 0:
                 label = f"{event.name} b{event.bucket}"
                 args["bucket"] = event.bucket
-            if event.name == "all_reduce":
+            if event.name in ("all_reduce", "all_gather"):
                 args["bytes"] = event.nbytes
             timed.append(
                 {"name": label, "cat": "communication" if event.device == _COMM else "device", "ph": "X", "pid": pid,

@@ -389,3 +389,16 @@ async def test_checkpoint_files_across_processes_are_refused_before_any_work(mon
     engine = gsync.Engine(["cpu"], shard_optimizer=True)
     with pytest.raises(gsync.ConfigError, match="checkpoint_dir= with shard_optimizer=True across processes"):
         await engine.fit(TiedNet(), make_batches(2, 8), optimizer=adamw, loss_fn=classification_loss, checkpoint_dir=tmp_path)
+
+
+async def test_the_trace_shows_each_buckets_all_gather_within_its_step() -> None:
+    engine = gsync.Engine(["cpu:0", "cpu:1"], shard_optimizer=True, trace=True, **TINY)
+    result = await engine.fit(TiedNet(), make_batches(3, 16), optimizer=adam, loss_fn=classification_loss, progress=False)
+    trace = result.trace
+    assert trace is not None
+    for step in range(3):
+        gathers = trace.select("all_gather", step)
+        assert sorted(event.bucket for event in gathers) == list(range(result.stats.buckets))
+        assert all(event.device == -1 and event.nbytes > 0 for event in gathers)
+        last_optimizer = max(event.end_us for event in trace.select("optimizer", step))
+        assert min(event.start_us for event in gathers) >= last_optimizer  # after every device stepped
