@@ -97,8 +97,6 @@ class SessionCore(SessionOperations):
         self._watcher: ReformWatcher | None = None
         self.change_due = False
         """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
-        self.data_position: tuple[int, int] | None = None
-        """``(epoch, batches)`` of the fit's data consumed through the last step (set by the fit loop), for a joiner."""
         self.last_applied_at: float | None = None
         """When the last step was applied (``time.monotonic()``)."""
         self.model = model

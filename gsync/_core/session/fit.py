@@ -58,6 +58,8 @@ class MembershipCarry(Protocol):
 
     def membership_changes(self) -> tuple[MembershipChange, ...]: ...
 
+    def note_data_position(self, step: int, position: tuple[int, int]) -> None: ...
+
 
 async def run_fit(
     session: object,
@@ -379,11 +381,12 @@ class _FitLoop:
             step, epoch, batches, position = held
             if self.resume is not None and step == self.resume.next_step:
                 self._restore_generators()
+            if self._carry is not None:
+                self._carry.note_data_position(step, position)
             result = await self._step(step, batches, last)
             if result is not None and result.rows == 0:
                 return result  # joined, and no rank had a batch: nothing ran
             self.position = position
-            self.core.data_position = position
             if result is not None:
                 self._record(result, epoch)
             if result is not None and self.writer is not None and self.core.rank == 0 and self.writer.due(result.step):

@@ -120,6 +120,9 @@ class SessionService:
         self._replaced = anyio.Event()
         """Set when the core is replaced by the next generation's, or the session ends."""
         self._change_error: BaseException | None = None
+        # (epoch, batches) of a fit's data consumed through each step, noted before the step runs (on whichever
+        # generation runs it): a loss can leave the last consistent state a step past what the fit saw applied.
+        self._data_positions: dict[int, tuple[int, int]] = {}
         self._marked = 0
         _OPEN.add(self)
 
@@ -193,7 +196,7 @@ class SessionService:
                 raise
             mine = resume if core is None or core.failure is None else getattr(core.failure, "checkpoint", None)
             if mine is not None and core is not None:
-                mine = replace(mine, data_position=core.data_position or mine.data_position)
+                mine = self._with_data_position(mine)
         else:
             if elastic is None or self.closing:
                 if elastic is not None:
@@ -202,7 +205,7 @@ class SessionService:
             built = _opened_core(core)
             mine = self._change if self._change is not None else getattr(built.failure, "checkpoint", None)
             if mine is not None:
-                mine = replace(mine, data_position=built.data_position or mine.data_position)
+                mine = self._with_data_position(mine)
         self._change = None
         if mine is None and not (core is None and resume is None):
             raise SessionClosed("the elastic session lost its state while its membership changed")
@@ -270,7 +273,7 @@ class SessionService:
                 checkpoint = None
             if checkpoint is not None and core.usable:
                 if self.elastic.leaving:
-                    await self._depart(core, replace(checkpoint, data_position=core.data_position))
+                    await self._depart(core, self._with_data_position(checkpoint))
                 self._change = checkpoint
                 core.request_end()
         elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
@@ -292,6 +295,16 @@ class SessionService:
     async def serving_core(self) -> SessionCore:
         """The core serving the session now, an elastic run's due change made first (see :meth:`current_core`)."""
         return await self.current_core(self.serving)
+
+    def note_data_position(self, step: int, position: tuple[int, int]) -> None:
+        """Before a fit runs step ``step``: its data, ``(epoch, batches)``, is consumed through it once applied."""
+        self._data_positions = {at: where for at, where in self._data_positions.items() if at >= step - 1}
+        self._data_positions[step] = position
+
+    def _with_data_position(self, checkpoint: Checkpoint) -> Checkpoint:
+        """``checkpoint`` with the fit's data position of its own step, when a fit noted one (for a joiner)."""
+        position = self._data_positions.get(checkpoint.step)
+        return checkpoint if position is None else replace(checkpoint, data_position=position)
 
     def membership_changes(self) -> tuple[MembershipChange, ...]:
         """The elastic run's membership changes so far (none outside an elastic run)."""
