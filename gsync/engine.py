@@ -428,7 +428,7 @@ class Engine:
         propagates the cancellation, within about half a second whatever the
         devices do (a thread stuck in native code is left behind, named in a
         warning); one that arrives while ``fit`` is already raising a failure
-        is delivered at the caller's next ``await``. The engine can ``fit``
+        is raised all the same, the failure its ``__context__``. The engine can ``fit``
         again. With ``Engine(elastic=...)`` a membership change mid-fit redoes
         the interrupted step over the new membership and the fit goes on.
 

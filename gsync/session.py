@@ -195,7 +195,8 @@ class Session:
           and the cancellation propagates, within about half a second
           whatever the devices do (a thread stuck in native code is left
           behind, named in a warning). One that arrives while the step is
-          already raising a failure is delivered at your next ``await``.
+          already raising a failure is raised all the same (``CancelledError``,
+          the failure its ``__context__``).
         - A failure settled while no call ran (a peer lost between calls) is
           raised by this call, before anything is dispatched.
         - A membership change mid-step (``Engine(elastic=...)``) redoes the

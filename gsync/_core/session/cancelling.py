@@ -14,9 +14,13 @@ count: every request adds one, and only its owner (``asyncio.timeout``, a
 ``TaskGroup``, an anyio scope) takes it back with ``uncancel()``. So a call
 compares the count at its end with the count at its start: more requests
 and no ``CancelledError`` leaving the call means one was swallowed inside.
-It is re-armed, ``uncancel()`` then ``cancel()``, leaving the count as the
-owner expects and the cancellation delivered at the caller's next await,
-after the call has raised or returned what it had.
+The call then raises ``CancelledError`` itself, at its end, with what it
+would have raised as the ``__context__``: delivered there, inside the
+owner's block, the owner recognises it (``asyncio.timeout`` turns it into
+its ``TimeoutError``, a ``TaskGroup`` absorbs it). Re-arming it for the
+caller's next ``await`` instead would deliver it after the owner may
+have taken its request back (the call the last ``await`` of the block), to
+a task nobody means to cancel.
 """
 
 from __future__ import annotations
@@ -31,18 +35,18 @@ from .outcome import is_cancellation
 
 __all__ = ("cancellation_kept",)
 
-_REDELIVERED = "gsync: a cancellation that arrived while the call ended another way, delivered at the next await"
+_DELIVERED = "gsync: a cancellation that arrived while the call was ending another way (its error is the context)"
 
 
 class cancellation_kept:  # noqa: N801 - used as a function, ``with cancellation_kept(...)``
-    """Around a public call: a cancellation requested during it is delivered, if the call did not raise it.
+    """Around a public call: a cancellation requested during it leaves it, if the call would have ended otherwise.
 
     A cancellation that does leave the call (a notebook interrupt, above
-    all) leaves without gsync's own frames, which say only where the session
-    was waiting, and with ``note`` added: what the cancellation did to the
-    session and how to go on. The user's cell and this call remain in the
-    traceback. A class, not a generator: only an ``__exit__`` can drop the
-    frames it was raised through.
+    all) leaves without the frames it was raised through, gsync's (which say
+    only where the session was waiting) and the call's own, and with
+    ``note`` added: what the cancellation did to the session and how to go
+    on. The traceback starts at the caller's line (the user's cell). A
+    class, not a generator: only an ``__exit__`` can drop those frames.
     """
 
     __slots__ = ("_note", "_task", "_before")
@@ -57,24 +61,28 @@ class cancellation_kept:  # noqa: N801 - used as a function, ``with cancellation
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None) -> None:
         if error is not None and is_cancellation(error):
-            if not isinstance(error, BaseExceptionGroup):
-                error.__traceback__ = None
-                if self._note is not None and self._note not in getattr(error, "__notes__", ()):
-                    error.add_note(self._note)
+            self._annotate(error)
             return
-        if self._task is not None:
-            _redeliver(self._task, self._before)
+        if self._task is not None and _swallowed(self._task, self._before):
+            cancelled = asyncio.CancelledError(_DELIVERED)
+            cancelled.__context__ = error
+            self._annotate(cancelled)
+            raise cancelled
+
+    def _annotate(self, cancellation: BaseException) -> None:
+        if isinstance(cancellation, BaseExceptionGroup):
+            return
+        cancellation.__traceback__ = None
+        if self._note is not None and self._note not in getattr(cancellation, "__notes__", ()):
+            cancellation.add_note(self._note)
 
 
-def _redeliver(task: asyncio.Task[object], before: int) -> None:
+def _swallowed(task: asyncio.Task[object], before: int) -> bool:
+    """Whether a cancellation was requested during the call and never left it (one an owner still counts)."""
     if task.cancelling() <= before or task.done():
-        return
-    if anyio.current_effective_deadline() == -math.inf:
-        # A cancelled anyio scope delivers again by itself, with the reason that tells it the cancellation is its own.
-        return
-    # The request is its owner's: the count stays as it is, only the delivery is made again.
-    task.uncancel()
-    task.cancel(_REDELIVERED)
+        return False
+    # A cancelled anyio scope delivers again by itself, with the reason that tells it the cancellation is its own.
+    return anyio.current_effective_deadline() != -math.inf
 
 
 def _current_asyncio_task() -> asyncio.Task[object] | None:

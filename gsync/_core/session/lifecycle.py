@@ -276,7 +276,10 @@ class SessionLife(SessionPeers):
 
     async def _settle(self, errors: BaseExceptionGroup[Any]) -> BaseException:
         """The one exception a failed session raises: threads stopped first, then picked, reported, checkpointed."""
-        await self._teardown()
+        # Shielded (its waits are bounded): a settling cut short by the task group's cancellation would leave
+        # teardown marked done with threads unjoined and the collective open, and the close would skip it.
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
         # Devices that failed while the group was already ending had their
         # tasks cancelled before they could raise; their failures were kept on the actor.
         late = [actor.failure for actor in self._actors if actor.failure is not None]

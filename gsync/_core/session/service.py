@@ -181,6 +181,10 @@ class SessionService:
                     # failed block would (the model is not written), and the opener says so.
                     raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
                 self.core = core
+                if self.closing:
+                    # Closed while this generation started (the close asked the last one's core to end): this
+                    # one ends at once too, instead of serving a session nobody will call again.
+                    core.request_end()
                 if elastic is not None:
                     self._mark_changes(core, elastic)
                 self._opened.set()

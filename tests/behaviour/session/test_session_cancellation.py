@@ -7,6 +7,7 @@ Each test states one sentence of ``docs/failures.md`` or of :meth:`gsync.Session
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import threading
 import time
@@ -29,6 +30,12 @@ pytestmark = pytest.mark.asyncio
 TWO = ["cpu:0", "cpu:1"]
 
 
+def expire(deadline: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
+    """An ``asyncio.timeout`` whose deadline is now, as if it had been set to expire at this moment."""
+    with contextlib.suppress(RuntimeError):  # its block ended first (the failure came first): nothing to expire
+        deadline.reschedule(loop.time())
+
+
 def cancel_when_reached(fault: gsync.testing.Fault, cancel: Callable[[], object], delay: float = 0.0) -> threading.Thread:
     """From a thread: once ``fault`` fires (and ``delay`` later), call ``cancel`` on the running loop."""
     loop = asyncio.get_running_loop()
@@ -37,7 +44,8 @@ def cancel_when_reached(fault: gsync.testing.Fault, cancel: Callable[[], object]
         if fault.reached.wait(30):
             if delay:
                 threading.Event().wait(delay)  # the moment of the cancellation is the test's subject
-            loop.call_soon_threadsafe(cancel)
+            with contextlib.suppress(RuntimeError):  # the loop has ended: the test is over, nothing to cancel
+                loop.call_soon_threadsafe(cancel)
 
     thread = threading.Thread(target=wait_then_cancel, daemon=True)
     thread.start()
@@ -59,7 +67,7 @@ async def train_past_a_failure(session: gsync.Session, batches: list, lost: list
 @pytest.mark.parametrize("site", ["optimizer", "backward", "forward"])
 @pytest.mark.parametrize("trial", range(6))
 async def test_a_cancellation_that_meets_a_failure_is_still_delivered(site: str, trial: int, no_leaks: None) -> None:
-    """The failure is raised (it came first), and the task is still cancelled at its next await."""
+    """The task is cancelled, whether the cancellation or the failure came first (then it is the context)."""
     engine = gsync.Engine(TWO)
     fault = gsync.testing.fail(0, 1, site)  # type: ignore[arg-type]
     lost: list[bool] = []
@@ -98,7 +106,7 @@ async def test_a_cancellation_during_a_failing_step_reaches_each_kind_of_cancell
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(None) as deadline:
                     # The deadline is the moment the fault fires, as a timeout that happens to expire then.
-                    cancel_when_reached(fault, lambda: deadline.reschedule(loop.time()))
+                    cancel_when_reached(fault, lambda: expire(deadline, loop))
                     await train()
         else:
             with anyio.move_on_after(None) as scope:
@@ -106,6 +114,57 @@ async def test_a_cancellation_during_a_failing_step_reaches_each_kind_of_cancell
                 await train()
             assert scope.cancelled_caught
         assert lost == []
+        await session.aclose()
+
+
+@pytest.mark.parametrize("trial", range(4))
+async def test_a_cancellation_met_by_the_last_call_in_a_timeout_block_does_not_outlive_the_block(
+    trial: int, no_leaks: None
+) -> None:
+    """The timeout gets its cancellation inside its block; nothing is left to cancel the task after it."""
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.fail(1, 1, "optimizer")
+    loop = asyncio.get_running_loop()
+    with gsync.testing.inject(engine, fault):
+        session = await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+        with pytest.raises((TimeoutError, gsync.WorkerFailed)):
+            async with asyncio.timeout(None) as deadline:
+                canceller = cancel_when_reached(fault, lambda: expire(deadline, loop))
+                for batch in make_batches(4, 8):
+                    await session.step(batch)  # the block's last await
+        # The expiry may come after the block ended (the failure came first): wait until it has been made.
+        await anyio.to_thread.run_sync(canceller.join, 30)
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        await asyncio.sleep(0)  # no cancellation nobody owns lands here
+        await session.aclose()
+
+
+@pytest.mark.parametrize("trial", range(4))
+async def test_a_task_group_cancelling_a_failing_step_gets_its_sibling_error_and_nothing_leaks(
+    trial: int, no_leaks: None
+) -> None:
+    engine = gsync.Engine(TWO)
+    fault = gsync.testing.fail(1, 1, "optimizer")
+    with gsync.testing.inject(engine, fault):
+        session = await engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss)
+
+        async def sibling_fails_with_the_fault() -> None:
+            await anyio.to_thread.run_sync(fault.reached.wait, 30)
+            raise KeyError("the sibling's own error")
+
+        with pytest.raises(BaseExceptionGroup) as caught:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(sibling_fails_with_the_fault())
+                for batch in make_batches(4, 8):
+                    await session.step(batch)
+        # The sibling's error, and the step's failure if it left the step before the group's cancellation came.
+        assert all(isinstance(e, (KeyError, gsync.WorkerFailed)) for e in caught.value.exceptions), caught.value.exceptions
+        task = asyncio.current_task()
+        assert task is not None and task.cancelling() == 0
+        await asyncio.sleep(0)
+        with pytest.raises(gsync.SessionClosed):  # the step met the cancellation while failing: the session closed
+            await session.step(make_batches(1, 8)[0])
         await session.aclose()
 
 
