@@ -85,17 +85,7 @@ class Checkpoint:
         """
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        payload = {
-            "format": _FORMAT,
-            "version": _VERSION,
-            "step": self.step,
-            "model_state": self.model_state,
-            "optimizer_state": self.optimizer_state,
-            "scheduler_state": self.scheduler_state,
-            "scaler_state": self.scaler_state,
-            "rng_state": self.rng_state,
-            "data_position": self.data_position,
-        }
+        payload = _payload(self)
         # Created as open() creates files (0666 less the umask: 0644 usually), not mkstemp's private 0600, so
         # another user or service that may read the directory can load the checkpoint.
         temporary = target.parent / f".{target.name}.{secrets.token_hex(8)}.partial"
@@ -141,15 +131,7 @@ class Checkpoint:
                 "upgrade gsync"
             )
         try:
-            return cls(
-                step=int(payload["step"]),
-                model_state=dict(payload["model_state"]),
-                optimizer_state=dict(payload["optimizer_state"]),
-                scheduler_state=payload.get("scheduler_state"),
-                scaler_state=payload.get("scaler_state"),
-                rng_state=payload.get("rng_state"),
-                data_position=_position(payload.get("data_position")),
-            )
+            return cls(**_fields(payload))
         except (KeyError, TypeError, ValueError) as error:
             raise CheckpointError(f"{source} is a damaged gsync checkpoint: missing or bad {error}") from error
 
@@ -226,6 +208,37 @@ def _bytes(count: int) -> str:
         if count >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count} B"
+
+
+def _payload(checkpoint: Checkpoint) -> dict[str, Any]:
+    """What a checkpoint file holds: what :meth:`Checkpoint.save` writes, and what an elastic handover sends."""
+    return {
+        "format": _FORMAT,
+        "version": _VERSION,
+        "step": checkpoint.step,
+        "model_state": checkpoint.model_state,
+        "optimizer_state": checkpoint.optimizer_state,
+        "scheduler_state": checkpoint.scheduler_state,
+        "scaler_state": checkpoint.scaler_state,
+        "rng_state": checkpoint.rng_state,
+        "data_position": checkpoint.data_position,
+    }
+
+
+def _fields(payload: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's fields from a payload whose marker and version were checked.
+
+    :raises KeyError: or :class:`TypeError`, :class:`ValueError`, for a damaged payload.
+    """
+    return {
+        "step": int(payload["step"]),
+        "model_state": dict(payload["model_state"]),
+        "optimizer_state": dict(payload["optimizer_state"]),
+        "scheduler_state": payload.get("scheduler_state"),
+        "scaler_state": payload.get("scaler_state"),
+        "rng_state": payload.get("rng_state"),
+        "data_position": _position(payload.get("data_position")),
+    }
 
 
 def _position(value: Any) -> tuple[int, int] | None:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import io
 import threading
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ...checkpoint import _FORMAT, _VERSION, Checkpoint
+from ...checkpoint import _FORMAT, _VERSION, Checkpoint, _fields, _payload
 from ...errors import CheckpointError
 from ..distributed.waiting import broadcast_from, wait_work
 
@@ -96,22 +95,8 @@ def decode_state(data: bytes | bytearray, what: str = "the state handed over") -
     return _from_payload(payload, what)
 
 
-# The payload and its reading mirror Checkpoint.save and Checkpoint.load field for field (the unit tests read a
-# file one writes with the other, both ways), so the bytes a member sends are a checkpoint file's.
-
-
-def _payload(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {
-        "format": _FORMAT,
-        "version": _VERSION,
-        "step": checkpoint.step,
-        "model_state": checkpoint.model_state,
-        "optimizer_state": checkpoint.optimizer_state,
-        "scheduler_state": checkpoint.scheduler_state,
-        "scaler_state": checkpoint.scaler_state,
-        "rng_state": checkpoint.rng_state,
-        "data_position": checkpoint.data_position,
-    }
+# The payload and its fields are Checkpoint.save's and Checkpoint.load's own (checkpoint._payload, _fields), so the
+# bytes a member sends are a checkpoint file's; only the checks' words differ (a refusal names the sending rank).
 
 
 def _from_payload(payload: object, what: str) -> Checkpoint:
@@ -121,15 +106,6 @@ def _from_payload(payload: object, what: str) -> Checkpoint:
     if not isinstance(version, int) or version > _VERSION:
         raise CheckpointError(f"{what} was refused: checkpoint format version {version!r}, newer than this gsync reads ({_VERSION})")
     try:
-        position = payload.get("data_position")
-        return Checkpoint(
-            step=int(payload["step"]),
-            model_state=dict(payload["model_state"]),
-            optimizer_state=dict(payload["optimizer_state"]),
-            scheduler_state=payload.get("scheduler_state"),
-            scaler_state=payload.get("scaler_state"),
-            rng_state=payload.get("rng_state"),
-            data_position=None if position is None else (int(position[0]), int(position[1])),
-        )
+        return Checkpoint(**_fields(payload))
     except (KeyError, TypeError, ValueError, IndexError) as error:
         raise CheckpointError(f"{what} was refused: a damaged gsync checkpoint, missing or bad {error}") from error
