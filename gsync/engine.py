@@ -140,8 +140,10 @@ class Engine:
         on it, keeping state for it only (about 1/N of it on N devices),
         and the updated parameters are all-gathered back into every
         replica. The result equals the unsharded run's (within rounding),
-        checkpoints hold the whole state as unsharded ones do, and
-        ``elastic`` is refused with it. See the sharding page of the docs.
+        checkpoints hold the whole state as unsharded ones do (across
+        processes a checkpoint gathers every rank's shards: a collective
+        every rank takes at the same step), and ``elastic`` is refused with
+        it. See the sharding page of the docs.
     :raises ~gsync.ConfigError: for any invalid value, before anything is built.
     """
 
@@ -391,7 +393,10 @@ class Engine:
           see :meth:`Checkpoint.save`) every ``checkpoint_every`` steps and at
           the end, keeping the newest ``keep`` up to the one just written (a
           higher-numbered file is another run's, left alone); only rank 0 writes, in a thread
-          of its own while training goes on (a step pays for copying the state).
+          of its own while training goes on (a step pays for copying the state;
+          with ``shard_optimizer=True`` across processes, for gathering every
+          rank's shards of the optimizer state as well, on every rank at the
+          same step).
           With ``resume=checkpoint_dir`` the same command line serves the
           first run (no checkpoint yet: start from scratch) and every restart.
 
@@ -445,12 +450,6 @@ class Engine:
         recipe = checked_recipe(model, optimizer, loss_fn, scheduler, clip_grad_norm, autocast, resume)
         if self.shard_optimizer:
             check_shardable(model)
-        if self.shard_optimizer and self.distributed and checkpoint_dir is not None:
-            raise ConfigError(
-                "checkpoint_dir= with shard_optimizer=True across processes: each process holds only its devices' "
-                "shards of the optimizer state, and a checkpoint file (rank 0's) must hold all of it, which gsync does "
-                "not gather across processes yet; drop checkpoint_dir=, or shard_optimizer=, or train in one process"
-            )
         settings = FitLoopSettings.checked(
             data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven
         )

@@ -163,7 +163,7 @@ class WorkerFailed(FitError):
 
 
 # Sites of the session's calls that run between steps, whose errors name the last step applied.
-_BETWEEN_STEPS = ("evaluate", "all_reduce")
+_BETWEEN_STEPS = ("evaluate", "all_reduce", "checkpoint")
 SESSION_START = "session start"
 """The site of a failure while a session starts across processes (after the ranks joined, before the first step)."""
 
@@ -178,8 +178,9 @@ class SyncFailed(FitError):
     ``site`` says which: ``"all-reduce of bucket N"`` (``bucket`` is ``N``),
     ``"buffer broadcast"`` for a step's closing collectives (the buffer
     broadcast, or the agreement across processes; ``bucket`` is ``None``), or
-    ``"evaluate"`` / ``"all_reduce"`` for those session calls, which run
-    between steps (``step`` is then the last step applied), or
+    ``"evaluate"`` / ``"all_reduce"`` for those session calls, or
+    ``"checkpoint"`` for the gather of a ``shard_optimizer=True`` checkpoint
+    across processes, which run between steps (``step`` is then the last step applied), or
     ``"session start"`` for the collectives a session across processes runs
     before its first step.
     """
@@ -204,7 +205,8 @@ class SyncFailed(FitError):
 
 
 class SyncTimeout(FitError, TimeoutError):
-    """A step (or an evaluation, ``site="evaluate"``, or ``site="all_reduce"``) did not complete within ``sync_timeout`` seconds.
+    """A step (or an evaluation, ``site="evaluate"``, an all_reduce, ``site="all_reduce"``, or the gather of a
+    sharded checkpoint across processes, ``site="checkpoint"``) did not complete within ``sync_timeout`` seconds.
 
     ``missing`` lists the ``(device, bucket)`` pairs that never reported ready;
     ``unreduced`` the buckets that were ready everywhere but whose reduction

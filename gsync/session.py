@@ -385,7 +385,18 @@ class Session:
         generators as they are now (a session opened with ``resume=`` this
         checkpoint restores them, so dropout continues as it would have).
 
+        With ``shard_optimizer=True`` across processes each rank holds only
+        its devices' shards of the optimizer state, and this call gathers
+        them: it is a collective, to be called on every rank at the same
+        point between steps (as ``step`` is). It blocks until every rank has
+        called it (each collective within ``sync_timeout``), and every rank
+        gets the whole state, as unsharded; each receives the shards it does
+        not hold (see the sharding page of the docs). A gather that fails
+        closes the session, as a failed ``all_reduce`` does.
+
         :raises ~gsync.ConfigError: while a step runs, or after the session ended.
+        :raises ~gsync.SyncFailed: (``site="checkpoint"``), :class:`~gsync.SyncTimeout`,
+            :class:`~gsync.PeerFailed`: when the gather of a sharded checkpoint across processes failed.
         """
         self._check_caller()
         return self._core.checkpoint()

@@ -383,14 +383,6 @@ async def test_an_optimizer_that_is_not_elementwise_is_refused_as_the_session_op
             pass
 
 
-async def test_checkpoint_files_across_processes_are_refused_before_any_work(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """Each process holds its own devices' shards only, and rank 0's file would need all of them."""
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; nothing is joined before the refusal
-    engine = gsync.Engine(["cpu"], shard_optimizer=True)
-    with pytest.raises(gsync.ConfigError, match="checkpoint_dir= with shard_optimizer=True across processes"):
-        await engine.fit(TiedNet(), make_batches(2, 8), optimizer=adamw, loss_fn=classification_loss, checkpoint_dir=tmp_path)
-
-
 async def test_the_trace_shows_each_buckets_all_gather_within_its_step() -> None:
     engine = gsync.Engine(["cpu:0", "cpu:1"], shard_optimizer=True, trace=True, **TINY)
     result = await engine.fit(TiedNet(), make_batches(3, 16), optimizer=adam, loss_fn=classification_loss, progress=False)

@@ -1,5 +1,7 @@
 """``shard_optimizer=True`` across 2 real processes (gloo on loopback): 2 x 1 and 2 x 2 devices, each device
-stepping its shard, equal to the plain one-device loop and to the unsharded run within 1e-5."""
+stepping its shard, equal to the plain one-device loop and to the unsharded run within 1e-5, and
+``session.checkpoint()`` on both ranks gathering the whole optimizer state, the unsharded run's.
+Checkpoint files and resuming them: ``test_sharded_checkpoint_multiprocess.py``."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def train_sharded() -> dict[str, Any]:
     model = TiedNet()
     out: dict[str, Any] = {}
 
-    async def run(devices: list[str], shard: bool, optimizer: Any) -> tuple[dict[str, torch.Tensor], int]:
+    async def run(devices: list[str], shard: bool, optimizer: Any) -> tuple[dict[str, torch.Tensor], int, dict[str, Any]]:
         trained = copy.deepcopy(model)
         engine = gsync.Engine(devices, shard_optimizer=shard, sync_timeout=60, **TINY)
         async with engine.session(trained, optimizer=optimizer, loss_fn=classification_loss, clip_grad_norm=CLIP) as session:
@@ -60,14 +62,9 @@ def train_sharded() -> dict[str, Any]:
                 v.numel() for opt in session.optimizers for s in opt.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             )
-            if shard:
-                # Half the state is on the other process, which a checkpoint does not gather (yet): refused, saying so.
-                try:
-                    session.checkpoint()
-                    out["checkpoint"] = "taken"
-                except gsync.CheckpointError as error:
-                    out["checkpoint"] = str(error)
-        return {k: v.detach().clone() for k, v in trained.state_dict().items()}, state
+            # Sharded, half the state is on the other process: every rank takes the checkpoint, which gathers it.
+            checkpoint = session.checkpoint()
+        return {k: v.detach().clone() for k, v in trained.state_dict().items()}, state, checkpoint.optimizer_state
 
     async def all_runs() -> None:
         for name, optimizer in OPTIMIZERS.items():
@@ -94,13 +91,24 @@ def test_sharded_across_processes_equals_the_plain_loop_and_unsharded(ranks: lis
     want = expected.state_dict()
     states = []
     for rank in ranks:
-        sharded, state = rank.value[f"{name}-{layout}"]
-        unsharded, copies = rank.value[f"{name}-unsharded"]
+        sharded, state, gathered = rank.value[f"{name}-{layout}"]
+        unsharded, copies, whole_state = rank.value[f"{name}-unsharded"]
         whole = copies // 2  # unsharded, each of the rank's 2 devices holds all of it
         for key, value in sharded.items():
             torch.testing.assert_close(value, want[key], atol=1e-5, rtol=0, msg=lambda m, k=key: f"rank {rank.rank} {k}: {m}")
             torch.testing.assert_close(value, unsharded[key], atol=1e-5, rtol=0)
         states.append(state)
+        # The checkpoint holds the whole state, as the unsharded run's does.
+        assert gathered["param_groups"] == whole_state["param_groups"]
+        assert gathered["state"].keys() == whole_state["state"].keys()
+        for key, values in whole_state["state"].items():
+            assert gathered["state"][key].keys() == values.keys(), key
+            for value_name, value in values.items():
+                got = gathered["state"][key][value_name]
+                if isinstance(value, torch.Tensor):
+                    assert got.shape == value.shape, (key, value_name)
+                    torch.testing.assert_close(got, value, atol=1e-5, rtol=0)
+                else:
+                    assert got == value, (key, value_name)
     # Every element's state is on exactly one device of one process.
     assert sum(states) == whole, (states, whole)
-    assert all("does not gather" in rank.value["checkpoint"] for rank in ranks), ranks[0].value["checkpoint"]

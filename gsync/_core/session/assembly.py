@@ -170,7 +170,7 @@ def _shard_optimizers(sharding: ShardedStep, actors: Sequence[DeviceActor], topo
         )
         sharding.shards.append(shard)
     for shard, actor in zip(sharding.shards, actors):
-        shard.take_optimizer(actor.optimizer, lambda: sharding.shards)
+        shard.take_optimizer(actor.optimizer, lambda: sharding.shards, lambda: sharding.across)
         actor.update.shard = shard
 
 

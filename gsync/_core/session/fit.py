@@ -86,8 +86,10 @@ async def run_fit(
     # One rank writes: the replicas of every rank hold the same state.
     writer = (
         CheckpointWriter(checkpoints.directory, checkpoints.every, checkpoints.keep, core.loop_handle())
-        # An elastic run's rank 0 can change: every rank is ready to write, and the current rank 0 writes.
-        if checkpoints is not None and (core.rank == 0 or (carry is not None and carry.elastic is not None))
+        # An elastic run's rank 0 can change: every rank is ready to write, and the current rank 0 writes. A
+        # sharded run's checkpoint gathers from every rank: each takes it when one is due, and rank 0 writes it.
+        if checkpoints is not None
+        and (core.rank == 0 or (carry is not None and carry.elastic is not None) or checkpoint_gathers(core))
         else None
     )
     joining = settings.uneven == "join" or (settings.uneven is None and core.joins)
@@ -158,19 +160,34 @@ async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | No
     # from it continues as one that never stopped, which would not have called on_fit_end there.
     # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
     core = loop.core
-    checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
+    checkpoint = replace(await _capture(core), data_position=loop.position)
     steps_before = core.next_step
     try:
         await loop.call("on_fit_end", session)
     except StopTraining:
         pass  # training has ended anyway
     if core.next_step != steps_before:  # on_fit_end stepped the session itself: its state is newer
-        checkpoint = replace(await anyio.to_thread.run_sync(core.checkpoint), data_position=loop.position)
+        checkpoint = replace(await _capture(core), data_position=loop.position)
     if writer is not None:
         if loop.core.rank == 0:
             await writer.write(checkpoint)
         await writer.close()
     return checkpoint
+
+
+def checkpoint_gathers(core: SessionCore) -> bool:
+    """A ``shard_optimizer=True`` run across processes: each rank holds part of the optimizer state, and a
+    checkpoint is a collective every rank takes at the same step (on the event loop: see
+    :meth:`SessionCore.checkpoint`)."""
+    context = core._context
+    return core.world_size > 1 and context is not None and context.sharding is not None
+
+
+async def _capture(core: SessionCore) -> Checkpoint:
+    """The session's checkpoint, its copy in a thread off the event loop (where it is no collective)."""
+    if checkpoint_gathers(core):
+        return core.checkpoint()
+    return await anyio.to_thread.run_sync(core.checkpoint)
 
 
 class _FitLoop:
@@ -389,7 +406,13 @@ class _FitLoop:
             self.position = position
             if result is not None:
                 self._record(result, epoch)
-            if result is not None and self.writer is not None and self.core.rank == 0 and self.writer.due(result.step):
+            if (
+                result is not None
+                and self.writer is not None
+                and (self.core.rank == 0 or checkpoint_gathers(self.core))
+                and self.writer.due(result.step)
+            ):
+                # Copied between steps, on the loop (gathered from every rank when sharded across processes).
                 due = replace(self.core.checkpoint(), data_position=position)
         try:
             if result is not None:
@@ -425,8 +448,8 @@ class _FitLoop:
         leave them (a callback may draw from them: a sampled log line), so
         a run resumed from the file must too.
         """
-        if due is None or self.writer is None:
-            return
+        if due is None or self.writer is None or self.core.rank != 0:
+            return  # rank 0 writes (every rank took a sharded run's checkpoint with it)
         if generators_now and due.rng_state is not None:
             due = replace(due, rng_state=self.core.generators())
         # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran

@@ -27,13 +27,16 @@ groups; whole parameters per device would keep even Adafactor exact but not spli
 **Checkpoints** hold the whole state, as unsharded ones: an optimizer's ``state_dict()`` gathers every
 local device's slices into whole tensors (``register_state_dict_post_hook``), and a whole state is cut
 into this device's slices as it is loaded, so a sharded run resumes unsharded, on another device count,
-or sharded again.
+or sharded again. Across processes the other ranks' slices come from a collective every rank enters at
+the same point between steps (:mod:`gsync._core.session.sharded_checkpoint`), held here
+(:meth:`ShardedStep.holding`) while the checkpoint is captured.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -96,9 +99,15 @@ class ReplicaShard:
 
     # -- the optimizer -------------------------------------------------------------
 
-    def take_optimizer(self, optimizer: torch.optim.Optimizer, peers: Callable[[], Sequence[ReplicaShard]]) -> None:
+    def take_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        peers: Callable[[], Sequence[ReplicaShard]],
+        across: Callable[[], dict[int, dict[str, Any]] | None] = lambda: None,
+    ) -> None:
         """Make ``optimizer`` (built over the whole parameters, perhaps with a whole state loaded) step this
-        device's slices only; its ``state_dict()`` then gathers ``peers()``' slices, and loading cuts a whole state."""
+        device's slices only; its ``state_dict()`` then gathers ``peers()``' slices (or is ``across()``'s whole
+        state, when a checkpoint across processes gathered one), and loading cuts a whole state."""
         kind = type(optimizer).__name__
         if kind in _NOT_ELEMENTWISE:
             raise ConfigError(
@@ -117,7 +126,7 @@ class ReplicaShard:
                     state[piece] = self._cut(optimizer.state[whole], whole, piece)
         optimizer.state = state
         self.optimizer = optimizer
-        optimizer.register_state_dict_post_hook(lambda _, whole: _gathered(whole, peers()))
+        optimizer.register_state_dict_post_hook(lambda _, whole: _gathered(whole, peers(), across()))
         optimizer.register_load_state_dict_pre_hook(lambda _, whole: self._cut_state_dict(whole))
 
     def _cut(self, values: dict[str, Any], whole: torch.Tensor, piece: nn.Parameter) -> dict[str, Any]:
@@ -242,9 +251,19 @@ def _per_element(value: object, shape: torch.Size) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0
 
 
-def _gathered(state: dict[str, Any], shards: Sequence[ReplicaShard]) -> dict[str, Any]:
+def _gathered(
+    state: dict[str, Any], shards: Sequence[ReplicaShard], across: dict[int, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """A device's sharded state dict as the whole one: each parameter's per-element values concatenated from
-    the devices that own its slices, in shard order (the unsharded format, so any run can load it)."""
+    the devices that own its slices, in shard order (the unsharded format, so any run can load it).
+
+    ``across``: the whole state a checkpoint across processes gathered from every rank, which is the answer.
+
+    :raises ~gsync.CheckpointError: when part of a parameter's state is on other processes' devices and
+        ``across`` is ``None``.
+    """
+    if across is not None:
+        return {**state, "state": across}
     if len(shards) == 0 or shards[0].optimizer is None:
         return state
     pieces = [piece for group in shards[0].optimizer.param_groups for piece in group["params"]]
@@ -257,9 +276,11 @@ def _gathered(state: dict[str, Any], shards: Sequence[ReplicaShard]) -> dict[str
         covered = sum(piece.numel() for _, piece in owners)
         if covered != whole.numel():
             raise CheckpointError(
-                f"this process holds {covered} of parameter {key}'s {whole.numel()} optimizer state elements: the "
-                "rest is on other processes' devices, which a checkpoint of a sharded run across processes does not "
-                "gather; checkpoint a sharded run in one process, or train unsharded across processes"
+                f"parameter {key}'s optimizer state is sharded across processes (this process holds {covered} of its "
+                f"{whole.numel()} elements): only a checkpoint every rank takes at the same point between steps "
+                "gathers it (session.checkpoint() on every rank, fit's checkpoint_dir= files and result), not one "
+                "rank's optimizer.state_dict(), nor a failure's checkpoint (a peer may be gone): resume from the last "
+                "checkpoint file"
             )
         found = [states[shards.index(shard)].get(piece) for shard, piece in owners]
         if not any(found):
@@ -308,6 +329,9 @@ class ShardedStep:
         self._check_every: int | None = None
         self._abort: Any = None
         self._trace: Trace | None = None
+        self.across: dict[int, dict[str, Any]] | None = None
+        """While a checkpoint across processes is captured: the whole optimizer state gathered from every rank,
+        which each local optimizer's ``state_dict()`` then is (:meth:`holding`)."""
 
     def bind(
         self,
@@ -332,6 +356,28 @@ class ShardedStep:
         self._abort = abort
         self._fingerprint = fingerprint
         self._check_every = check_every
+
+    @property
+    def comm(self) -> WorkerThread:
+        """The communication thread the session's collectives run in, in the order they were submitted."""
+        if self._comm is None:
+            raise RuntimeError("ShardedStep used before bind()")
+        return self._comm
+
+    @property
+    def timeout(self) -> float:
+        """``sync_timeout``: how long one collective may take."""
+        return self._timeout
+
+    @contextmanager
+    def holding(self, whole: dict[int, dict[str, Any]]) -> Iterator[None]:
+        """Within the block, every local optimizer's ``state_dict()`` is ``whole`` (the state every rank's slices
+        make, gathered by a checkpoint across processes)."""
+        self.across = whole
+        try:
+            yield
+        finally:
+            self.across = None
 
     # -- in the server's communication thread, before StepSynced ---------------------
 
