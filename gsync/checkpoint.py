@@ -45,7 +45,8 @@ class Checkpoint:
     model_state: dict[str, torch.Tensor]
     """``state_dict()`` of the model after ``step``; load it with ``model.load_state_dict``."""
     optimizer_state: dict[str, Any]
-    """``state_dict()`` of one replica's optimizer after ``step`` (all replicas' are equal)."""
+    """``state_dict()`` of one replica's optimizer after ``step`` (all replicas' are equal); with
+    ``shard_optimizer=True``, every device's shard of it gathered, in the same format."""
     scheduler_state: dict[str, Any] | None = None
     """``state_dict()`` of the LR scheduler after ``step``, when the run has one."""
     scaler_state: dict[str, Any] | None = None
