@@ -142,6 +142,8 @@ async def train(config: dict) -> dict:
     rank = int(os.environ["RANK"])
     last_applied = {"step": -1}
     world_sizes: list[int] = []
+    # Which optimizer object stepped: a survivor goes on with its own across a change (nothing rebuilt).
+    optimizer_ids: list[int] = []
     changes_seen: list[str] = []
     signals = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
     dies = config.get("die_each") or ([config["die"]] if config.get("die") else [])
@@ -170,6 +172,7 @@ async def train(config: dict) -> dict:
         async def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
             last_applied["step"] = result.step
             world_sizes.append(result.world_size)
+            optimizer_ids.append(id(session.optimizers[0]))
             if wait is not None and result.step == wait["step"] and store is not None:
                 await anyio.to_thread.run_sync(store.wait, [first_knock_key()])
             if config.get("evaluate_each_step"):
@@ -222,6 +225,7 @@ async def train(config: dict) -> dict:
         "losses": losses,
         "first_step": first_step,
         "world_sizes": world_sizes,
+        "optimizer_ids": optimizer_ids,
         "changes_seen": changes_seen,
         "evaluations": evaluations,
     }

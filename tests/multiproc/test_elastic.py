@@ -52,6 +52,9 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
         # Every step is applied exactly once on each survivor: 3 ranks until the change, 2 after it.
         assert outcome["world_sizes"][:4] == [3, 3, 3, 3]
         assert outcome["world_sizes"][-1] == 2
+        # Both survivors held step 3 (the victim died in step 4's forward): each went on with its own replica and
+        # optimizer, nothing copied or rebuilt.
+        assert len(set(outcome["optimizer_ids"])) == 1, outcome["optimizer_ids"]
         assert outcome["changes_seen"] == [f"membership change at step {step}: lost rank(s) {victim}; 2 rank(s) now"]
         assert outcome["marks"] == outcome["changes_seen"]  # and marked on the trace of the generation it began
 
@@ -218,6 +221,11 @@ def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once() -> None:
         assert change[1:4] == ((1,), (), 2) and change[5] == "left", change
         # Told, not found out: far below answer_within (30 s here), which a silent rank would cost.
         assert change[4] < 10, change
+        # The step the departure was agreed in is finished by everyone, not given up and redone: each step applied
+        # once, 3 ranks up to the departing rank's last step, 2 after it; and on the survivors' own replicas.
+        sizes = outcomes[rank]["world_sizes"]
+        assert sizes == [3] * (departed["last_step"] + 1) + [2] * (STEPS - departed["last_step"] - 1), sizes
+        assert len(set(outcomes[rank]["optimizer_ids"])) == 1, outcomes[rank]["optimizer_ids"]
 
 
 def process_local_reference(epochs: int, lost: int, at_step: int) -> dict[str, torch.Tensor]:

@@ -212,9 +212,9 @@ class ProcessGroupRuntime:
             raise
         return cls(membership, topology, heartbeat, host, elastic, names)
 
-    def prepare(self, replicas: Sequence[nn.Module], first_step: int) -> None:
+    def prepare(self, replicas: Sequence[nn.Module], first_step: int, broadcast: bool = True) -> None:
         """Check every rank trains the same parameters from the same step, and start every replica from rank 0's
-        state. Collective.
+        state (unless not ``broadcast``: an elastic generation whose ranks agreed on the state). Collective.
 
         :raises ~gsync.ConfigError: on every rank, naming the first parameter
             (and rank) that differs, or the ranks' steps when they resumed from different checkpoints.
@@ -222,6 +222,8 @@ class ProcessGroupRuntime:
         first = replicas[0]
         verify_same_parameters(self.membership, [(n, p) for n, p in first.named_parameters() if p.requires_grad])
         verify_same_start(self.membership, first_step)
+        if not broadcast:
+            return
         broadcast_module_state(self.membership, first)
         state = first.state_dict()
         for replica in replicas[1:]:

@@ -6,7 +6,10 @@ did not), and a joiner has no state at all. Every member says the last step
 it applied; the first member with the highest sends its checkpoint
 (parameters, buffers, optimizer, scheduler, scaler, random generators, step,
 data position) as bytes over the group, and every other member starts from
-it. A generation whose members all hold the same step sends nothing.
+it. A generation whose members all hold the same step sends nothing, and
+copies nothing: each member goes on with the state it holds (a
+:class:`~gsync._core.state.held.HeldState`, its replicas themselves), whose
+checkpoint is taken only by the member that sends it.
 
 The bytes are a checkpoint file's (:meth:`gsync.Checkpoint.save`), read as
 the file is read: ``torch.load(weights_only=True)``, which builds tensors and
@@ -27,14 +30,16 @@ import torch.distributed as dist
 from ...checkpoint import _FORMAT, _VERSION, Checkpoint, _fields, _payload
 from ...errors import CheckpointError
 from ..distributed.waiting import broadcast_from, wait_work
+from ..state.held import HeldState
 
 __all__ = ("agree_state", "decode_state", "encode_state")
 
 _NO_STATE = -2  # a joiner's last step: it holds nothing
 
 
-def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: threading.Event) -> Checkpoint | None:
-    """The checkpoint every member of ``group`` starts from; ``None`` when no member holds one. Collective.
+def agree_state(group: dist.ProcessGroup, mine: HeldState | None, abort: threading.Event) -> HeldState | None:
+    """The state every member of ``group`` starts from (``mine`` itself when it is as advanced as any); ``None``
+    when no member holds one. Collective.
 
     No member holds state when one was lost while the run's first session
     opened: every member then starts from the initial state, as the launch did.
@@ -56,7 +61,7 @@ def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: thread
     source = steps.index(best)  # it holds state: its step is not _NO_STATE
     length = torch.empty(1, dtype=torch.int64)
     if rank == source and mine is not None:
-        data = torch.frombuffer(bytearray(encode_state(mine)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(encode_state(mine.checkpoint())), dtype=torch.uint8)
         length.fill_(data.numel())
         wait_work(broadcast_from(length, group, source), abort)
         wait_work(broadcast_from(data, group, source), abort)
@@ -69,7 +74,7 @@ def agree_state(group: dist.ProcessGroup, mine: Checkpoint | None, abort: thread
     # Received straight into the bytes that are then read: the tensor is a view of them.
     received = bytearray(nbytes)
     wait_work(broadcast_from(torch.frombuffer(received, dtype=torch.uint8), group, source), abort)
-    return decode_state(received, what)
+    return HeldState.of(decode_state(received, what))
 
 
 def encode_state(checkpoint: Checkpoint) -> bytes:

@@ -28,6 +28,7 @@ from ...elastic import Elastic, MembershipChange
 from ...errors import CheckpointError, ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
 from .handover import agree_state
+from ..state.held import HeldState
 from ..threads import FitAborted
 from .quorum import Decision, ElasticRun, Generation, NotAMember, RunGone
 from .recovery import connection_lost
@@ -64,7 +65,7 @@ class ElasticMembership:
             raise RuntimeError("the elastic run has no membership yet")
         return run.current
 
-    def enter(self, resume: Checkpoint | None) -> tuple[Generation, Checkpoint | None, bool]:
+    def enter(self, resume: Checkpoint | None) -> tuple[Generation, HeldState | None, bool]:
         """Start the run or join the running one; the state to start from, and whether it was handed over.
 
         :raises ~gsync.ConfigError: for a store that cannot be reached, or a run that does not take this rank in.
@@ -80,13 +81,16 @@ class ElasticMembership:
         self.run = ElasticRun(store, self.launch_rank, self.launch_world, self.settings, self._group_timeout, self._device)
         generation = self.run.enter(self.abort)
         if generation.number == 0:
-            return generation, resume, False
+            return generation, None if resume is None else HeldState.of(resume), False
         state = agree_state(generation.host, None, self.abort)
         self._record(generation.decision, 0 if state is None else state.next_step)
         return generation, state, state is not None
 
-    def change(self, mine: Checkpoint | None, *, leaving: bool = False) -> tuple[Generation, Checkpoint | None]:
-        """The next generation, formed, and the state it starts from; ``mine``: this rank's consistent state.
+    def change(
+        self, mine: HeldState | None, *, leaving: bool = False, planned_after: int | None = None
+    ) -> tuple[Generation, HeldState | None]:
+        """The next generation, formed, and the state it starts from; ``mine``: this rank's consistent state
+        (returned itself when every member holds the same step: nothing copied).
 
         ``mine`` is ``None`` when no step was applied yet (a member lost while
         the first session opened): the next generation starts from the
@@ -99,7 +103,8 @@ class ElasticMembership:
         while True:
             before = self.generation
             try:
-                decision = run.reform(self.abort, leaving=leaving)
+                decision = run.reform(self.abort, leaving=leaving, planned_after=planned_after)
+                planned_after = None  # changing again is after a loss
             except NotAMember as error:
                 # Alive but too late to answer: taken back in as a process that knocks, at the next step boundary.
                 logger.warning("gsync: %s; it knocks to be taken back in", error)
@@ -140,7 +145,7 @@ class ElasticMembership:
             self._record(decision, _first_step(state))
             return generation, state
 
-    def _agree_state(self, generation: Generation, mine: Checkpoint | None) -> Checkpoint | None:
+    def _agree_state(self, generation: Generation, mine: HeldState | None) -> HeldState | None:
         """The state ``generation`` starts from (see :func:`~gsync._core.elastic.handover.agree_state`).
 
         :raises ~gsync.CheckpointError: with ``mine`` as its checkpoint, when
@@ -150,7 +155,7 @@ class ElasticMembership:
         try:
             return agree_state(generation.host, mine, self.abort)
         except CheckpointError as refused:
-            refused.checkpoint = mine
+            refused.checkpoint = None if mine is None else mine.checkpoint()
             refused.last_step = None if mine is None else mine.step
             raise
 
@@ -167,10 +172,11 @@ class ElasticMembership:
             # write waits for the store to answer.
             threading.Thread(target=run.say_leaving, name="gsync-departing", daemon=True).start()
 
-    def leave(self) -> Decision:
-        """Depart from the run between steps: the others change without waiting out a silence."""
+    def leave(self, planned_after: int | None = None) -> Decision:
+        """Depart from the run between steps: the others change without waiting out a silence (and finish step
+        ``planned_after``, whose agreement said this rank leaves after it, when given)."""
         self.departed = True
-        return self._run().reform(self.abort, leaving=True)
+        return self._run().reform(self.abort, leaving=True, planned_after=planned_after)
 
     def finish(self) -> None:
         if self.run is not None and not self.departed:
@@ -192,14 +198,14 @@ class ElasticMembership:
         self.changes.append(change)
         logger.warning("gsync: rank %d: %s", self.launch_rank, change)
 
-    def _lost(self, before: Generation, ranks: tuple[int, ...], mine: Checkpoint | None, why: str) -> PeerLost:
+    def _lost(self, before: Generation, ranks: tuple[int, ...], mine: HeldState | None, why: str) -> PeerLost:
         named = ranks or tuple(rank for rank in before.members if rank != self.launch_rank) or (self.launch_rank,)
         step = -1 if mine is None else mine.step
         error = PeerLost([LostRank(rank, step, "elastic membership change", "", None, 0.0) for rank in named])
         lost = ", ".join(map(str, ranks)) if ranks else "none named"
         when = "before its first step" if step < 0 else f"after step {step}"
         error.args = (f"the elastic run cannot go on {when} (lost: {lost}): {why}",)
-        error.checkpoint = mine
+        error.checkpoint = None if mine is None else mine.checkpoint()
         error.last_step = step if step >= 0 else None
         return error
 
@@ -216,5 +222,5 @@ def _quietly(call: Callable[[], object]) -> None:
         pass
 
 
-def _first_step(state: Checkpoint | None) -> int:
+def _first_step(state: HeldState | None) -> int:
     return 0 if state is None else state.next_step

@@ -225,8 +225,13 @@ class ElasticRun:
         """How many processes have knocked so far (one store round trip)."""
         return self.store.add(self.key("knocks"), 0)
 
-    def reform(self, abort: threading.Event, leaving: bool = False) -> Decision:
+    def reform(self, abort: threading.Event, leaving: bool = False, planned_after: int | None = None) -> Decision:
         """Decide the generation after the current one, with the others; ``leaving``: this rank departs.
+
+        ``planned_after``: the change every member agreed on in step
+        ``planned_after``'s agreement (a departure, a knock), made at that step's
+        boundary. Members still finishing that step finish it (its collectives
+        are all done), instead of giving it up to be redone.
 
         :raises NotAMember: when the decision leaves this rank out (it answered too late).
         """
@@ -235,6 +240,9 @@ class ElasticRun:
         number = current.number
         if leaving:
             self.store.set(self.key(f"g{number}", f"left/{self.launch_rank}"), "1")
+        if planned_after is not None:
+            # Before the reform key: a watcher that sees the reform reads this next.
+            self.store.compare_set(self.key(f"g{number}", "planned"), "", str(planned_after))
         self.store.add(self.key(f"g{number}", "reform"), 1)
         if not leaving:
             self.answer(number)

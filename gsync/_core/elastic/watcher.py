@@ -27,7 +27,8 @@ _WAIT = timedelta(hours=1)
 
 
 class ReformWatcher:
-    """Watches one generation: ``on_reform()`` once a change is asked for, ``on_knock()`` once someone knocks.
+    """Watches one generation: ``on_reform(planned_after)`` once a change is asked for (``planned_after``: the
+    step whose agreement planned it, or ``None`` after a loss), ``on_knock()`` once someone knocks.
 
     It sleeps in a wait on its own key (``g<g>/wake/<rank>``), which whoever
     asks for a change, knocks, or stops this watcher sets after writing what
@@ -35,7 +36,9 @@ class ReformWatcher:
     that comes while it looks wakes it again.
     """
 
-    def __init__(self, run: ElasticRun, generation: Generation, on_reform: Callable[[], object], on_knock: Callable[[], object]) -> None:
+    def __init__(
+        self, run: ElasticRun, generation: Generation, on_reform: Callable[[int | None], object], on_knock: Callable[[], object]
+    ) -> None:
         self._run = run
         self._generation = generation
         self._on_reform = on_reform
@@ -54,6 +57,7 @@ class ReformWatcher:
         except Exception:  # noqa: BLE001 - stores that cannot clone share the connection
             store = run.store
         reform = run.key(f"g{number}", "reform")
+        planned = run.key(f"g{number}", "planned")
         knocks = run.key("knocks")
         seen = self._generation.decision.knocks_seen
         heard = 0  # every knock: one left waiting while the run is full hears it is alive
@@ -63,9 +67,11 @@ class ReformWatcher:
                 if store.check([reform]):
                     if not run.leaving:  # a departing rank says so itself, at the step boundary
                         store.set(run.key(f"g{number}", f"in/{run.launch_rank}"), "1")
-                    # Before the session hears of it: what waits on an NCCL collective with a dead peer ends now.
-                    self._generation.abort_collectives()
-                    self._on_reform()
+                    planned_after = int(store.get(planned)) if store.check([planned]) else None
+                    if planned_after is None:
+                        # Before the session hears of it: what waits on an NCCL collective with a dead peer ends now.
+                        self._generation.abort_collectives()
+                    self._on_reform(planned_after)
                     return
                 count = store.add(knocks, 0)
                 for index in range(heard + 1, count + 1):

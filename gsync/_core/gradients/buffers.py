@@ -88,3 +88,23 @@ class BufferSync:
     def snapshot(self, step: int) -> dict[str, torch.Tensor] | None:
         """Buffers by state-dict name as broadcast at ``step``; ``None`` if that step was not kept."""
         return self._snapshots.get(step)
+
+    def seed(self, step: int, snapshot: dict[str, torch.Tensor]) -> None:
+        """Keep ``snapshot`` as the buffers of ``step``: the step a kept replica holds, broadcast by a session before."""
+        self._snapshots[step] = snapshot
+
+    def restore(self, step: int) -> dict[str, torch.Tensor]:
+        """Every replica's buffers put back as ``step`` left them, and those values.
+
+        A step interrupted after its forward has moved running statistics on.
+        When ``step`` was not kept, no step ran since the buffers were whole:
+        they are left as they are, and a copy of the first replica's returned.
+        """
+        snapshot = self._snapshots.get(step)
+        if snapshot is None:
+            return {full: owner._buffers[name].detach().clone() for full, owner, name in self._slots[0]}  # type: ignore[union-attr]
+        with torch.no_grad():
+            for slots in self._slots:
+                for full, owner, name in slots:
+                    owner._buffers[name].copy_(snapshot[full])  # type: ignore[union-attr]
+        return snapshot

@@ -20,6 +20,7 @@ kept as :attr:`SessionCore.undelivered` until a call or the close raises it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -42,10 +43,11 @@ from ..gradients.buffers import BufferSync
 from ...checkpoint import Checkpoint
 from ...comm.base import Collective
 from ..step.context import ActorContext, Recipe, Shard
-from ..distributed import FailureReport
+from ..distributed import FailureReport, peer_failed
 from ..distributed.runtime import ProcessGroupRuntime
 from ..elastic.watcher import ReformWatcher
 from ...errors import (
+    CheckpointError,
     ConfigError,
     GsyncError,
     LostRank,
@@ -56,10 +58,12 @@ from ...errors import (
 from ..step.mailbox import Mailbox
 from ..step.messages import ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
 from .outcome import raised_by_block
+from .sharded_checkpoint import gather_whole_state
 from .state import Lifecycle, SessionState
 from .lifecycle import _built
 from .operations import ReduceOp, SessionOperations
 from ..gradients.rebuild import PlanRebuild
+from ..state.held import HeldState
 from ..state.rng import capture_rng, restore_rng
 from ...result import FitStats, StepResult
 from ..step.server import SyncServer
@@ -91,6 +95,8 @@ class SessionCore(SessionOperations):
         replay: bool | None = None,
         elastic: ElasticMembership | None = None,
         on_idle_failure: Callable[[], None] | None = None,
+        held: HeldState | None = None,
+        agreed_start: bool = False,
     ) -> None:
         self._settings = settings
         self._elastic = elastic
@@ -109,8 +115,13 @@ class SessionCore(SessionOperations):
         self.joining = self.joins
         """Each step starts with every rank's rows, so a rank whose data ended joins it with empty shards
         (``step(None)``); a fit sets it for its own steps (``fit(uneven=...)``)."""
-        self.first_step = 0 if resume is None else resume.next_step
+        self.first_step = held.next_step if held is not None else 0 if resume is None else resume.next_step
         """The global index of this session's first step (> 0 when resuming)."""
+        self._held = held
+        """An elastic run's last generation's replicas, which this one goes on with (nothing copied or loaded)."""
+        self._agreed_start = agreed_start
+        """Every rank starts from a state the elastic run agreed on: no broadcast of rank 0's is needed."""
+        self._ending_for_change = False
         self._next_step = self.first_step
         self._abort = threading.Event()
         self._life = Lifecycle()
@@ -126,6 +137,7 @@ class SessionCore(SessionOperations):
         self._peer_news: list[FailureReport | list[LostRank] | str] = []
         self._peer_news_arrived = anyio.Event()
         self._torn_down = False
+        self._left_behind: list[str] = []
         self._collective_what: str | None = None
         self.undelivered: BaseException | None = None
         """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
@@ -198,12 +210,42 @@ class SessionCore(SessionOperations):
         )
 
     def checkpoint(self) -> Checkpoint:
-        """The consistent state as of the last step, copied to the CPU (see :meth:`gsync.Session.checkpoint`)."""
+        """The consistent state as of the last step, copied to the CPU (see :meth:`gsync.Session.checkpoint`).
+
+        With ``shard_optimizer=True`` across processes it is a collective, called on the event loop: every
+        rank takes it between the same steps, and the other ranks' slices of the optimizer state are gathered
+        in the communication thread while the loop waits (see
+        :mod:`~gsync._core.session.sharded_checkpoint`). It counts as one of the session's operations; a
+        failed gather fails the session.
+
+        :raises ~gsync.CheckpointError: when the ranks' optimizer states do not make a whole one.
+        """
         self._check_usable("checkpoint")
         actor = self._actors[0]
-        checkpoint = Checkpoint.capture(
-            self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
-        )
+        sharding = _built(self._context).sharding
+        runtime = self._runtime
+        whole: dict[int, dict[str, Any]] | None = None
+        if sharding is not None and runtime is not None:
+            left = self._peer_left
+            if left is not None and self._operations_done >= left.operations:
+                raise self._fail(peer_failed(left))
+            self._collective_what = "checkpoint"  # the heartbeat says this rank waits in a collective
+            try:
+                whole = gather_whole_state(sharding, runtime, self._setup, self._next_step - 1)
+            except CheckpointError:
+                self._collective_what = None
+                self._operations_done += 1  # every rank took part, and raises it
+                raise
+            except GsyncError as error:
+                # The ranks' collectives no longer match: the session fails, as after a failed all_reduce.
+                raise self._fail(error)
+            self._collective_what = None
+            self._operations_done += 1
+        # The optimizer's state_dict() is the gathered whole state while it is held.
+        with sharding.holding(whole) if sharding is not None and whole is not None else contextlib.nullcontext():
+            checkpoint = Checkpoint.capture(
+                self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
+            )
         # Between steps, the generators are where the next step starts from.
         return replace(checkpoint, rng_state=self.generators())
 
@@ -393,6 +435,12 @@ class SessionCore(SessionOperations):
         self._life.end_asked()
         self.end_requested.set()
 
+    def end_for_change(self) -> None:
+        """End the session for a membership change every rank agreed on: the next generation goes on with its
+        replicas (:meth:`hold`), so the model passed in is not written back."""
+        self._ending_for_change = True
+        self.request_end()
+
     def rewind_generators_for_replay(self) -> None:
         """Before a resumed fit replays its data: the generators as they were when the session opened.
 
@@ -451,16 +499,21 @@ async def open_session(
     replay: bool | None = None,
     elastic: ElasticMembership | None = None,
     on_idle_failure: Callable[[], None] | None = None,
+    held: HeldState | None = None,
+    agreed_start: bool = False,
 ) -> AsyncIterator[SessionCore]:
     """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
 
     ``replay``: a fit replays its data up to ``resume`` (default: whenever
     resuming; an elastic generation after the first continues the fit in
     place). ``elastic``: the run this session is one generation of. ``on_idle_failure``: called once a failure
-    that no call waits for is settled.
+    that no call waits for is settled. ``held``: the last generation's replicas, which this one takes (instead of
+    copying ``model`` and loading ``resume``); ``agreed_start``: every rank starts from a state the elastic run
+    agreed on (rank 0's is not broadcast).
     """
     session = SessionCore(
-        settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic, on_idle_failure=on_idle_failure
+        settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic,
+        on_idle_failure=on_idle_failure, held=held, agreed_start=agreed_start,
     )
     raised: BaseException | None = None
     try:

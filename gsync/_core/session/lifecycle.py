@@ -37,7 +37,8 @@ from .peers import MEMBERSHIP_CHANGING, SessionPeers
 from .state import Lifecycle, SessionState
 from ..gradients.rebuild import PlanRebuild
 from ..state.recovery import attach_checkpoint, last_consistent
-from ..state.replicas import copy_replicas, equip_replicas
+from ..state.held import HeldState
+from ..state.replicas import Replica, copy_replicas, equip_replicas
 from ..state.rng import capture_rng
 from ..step.server import SyncServer
 from ..streams import StreamSync
@@ -89,6 +90,10 @@ class SessionLife(SessionPeers):
     _session_mailbox: Mailbox[SessionMessage] | None
     _rebuild: PlanRebuild | None
     _server: SyncServer | None
+    _held: HeldState | None
+    _agreed_start: bool
+    _ending_for_change: bool
+    _left_behind: list[str]
 
     # -- open ----------------------------------------------------------------
 
@@ -102,12 +107,22 @@ class SessionLife(SessionPeers):
         # A copy of the model per device takes tens of milliseconds for a 10M-parameter MLP (seconds for a large
         # model): off the event loop, which other tasks of the user's program share. The user's factories run on
         # the loop, as the rest of the user's code does.
-        copies = await anyio.to_thread.run_sync(copy_replicas, self.model, settings.devices, self._resume)
-        replicas = equip_replicas(copies, settings.devices, self._recipe, self._resume)
+        held = self._held
+        if held is not None:
+            # A membership change: the survivors' replicas go on as they are, nothing copied or loaded.
+            replicas = held.take_replicas()
+        else:
+            copies = await anyio.to_thread.run_sync(copy_replicas, self.model, settings.devices, self._resume)
+            replicas = equip_replicas(copies, settings.devices, self._recipe, self._resume)
         runtime = self._runtime
         if runtime is not None:
-            await self._start_with_peers(runtime, [r.module for r in replicas])
+            await self._start_with_peers(runtime, [r.module for r in replicas], broadcast=not self._agreed_start)
         self._adopt(assemble(settings, self._recipe, plan, replicas, runtime, self._abort, loop, self._process_local))
+        if held is not None:
+            for actor in self._actors:
+                actor.update.holds(held.step)
+            if held.buffers is not None:
+                _built(self._buffers).seed(held.step, held.buffers)
         resume = self._resume
         if resume is not None and resume.rng_state is not None:
             # A loop of the user's continues from the checkpoint's generators (its next batch is drawn from them);
@@ -170,12 +185,16 @@ class SessionLife(SessionPeers):
         def knocked() -> None:
             runtime.change_wanted = True
 
-        def changing() -> None:
+        def changing(planned_after: int | None) -> None:
+            if planned_after is not None:
+                # Planned in that step's agreement, which every member took part in: this rank finishes the step
+                # (its collectives are done), and the next call makes the change (change_due).
+                return
             self._peer_news.append(MEMBERSHIP_CHANGING)
             self._peer_news_arrived.set()
             self._abort.set()  # threads inside the step's collectives leave them: the step is redone
 
-        watcher = ReformWatcher(_built(elastic.run), generation, lambda: loop.call_soon(changing), knocked)
+        watcher = ReformWatcher(_built(elastic.run), generation, lambda planned: loop.call_soon(changing, planned), knocked)
         self._watcher = watcher
         watcher.start()
 
@@ -264,6 +283,7 @@ class SessionLife(SessionPeers):
             workers.append(self._server.comm)
         deadline = time.monotonic() + _THREAD_GRACE_S
         left_behind = [worker.name for worker in workers if not await worker.join(max(0.0, deadline - time.monotonic()))]
+        self._left_behind = left_behind
         if left_behind:
             where = ", ".join(f"{actor.name} ({actor.where})" for actor in self._actors if actor.worker.name in left_behind)
             logger.warning(
@@ -322,8 +342,8 @@ class SessionLife(SessionPeers):
 
         A copy of every parameter and buffer, in a thread: not on the event loop.
         """
-        if not self._actors:
-            return
+        if not self._actors or self._ending_for_change:
+            return  # a membership change: the next generation goes on with the replicas
         replica = self._actors[0].replica
 
         def write_back() -> None:
@@ -339,8 +359,54 @@ class SessionLife(SessionPeers):
         self._checkpoint_attempted.add(id(failure))
         attach_checkpoint(failure, lambda busy: last_consistent(
             self._actors, busy=busy, first_step=self.first_step, model=self.model, resume=self._resume,
-            buffers=self._buffers,
+            buffers=self._buffers, held_start=self._held is not None,
         ))
+
+    def hold(self, finish: Callable[[Checkpoint], Checkpoint]) -> HeldState | None:
+        """Once the session has ended: the state it leaves an elastic run's next generation.
+
+        Its replicas themselves when every local one holds the same step
+        whole (the next generation takes them: nothing is copied), their
+        buffers put back as that step left them (an interrupted forward moves
+        running statistics on); otherwise the failure's checkpoint; ``None``
+        when there is neither. ``finish`` completes a checkpoint taken of it.
+        """
+        step = self._whole_step()
+        if step is None:
+            checkpoint = getattr(self._failure, "checkpoint", None)
+            return None if checkpoint is None else HeldState.of(finish(checkpoint))
+        buffers = _built(self._buffers)
+        snapshot = None if buffers.empty else buffers.restore(step)
+        first = self._actors[0]
+        replicas = [Replica(a.replica, a.optimizer, a.scheduler, a.scaler) for a in self._actors]
+
+        taken = getattr(self._failure, "checkpoint", None)
+
+        def capture() -> Checkpoint:
+            if isinstance(taken, Checkpoint) and taken.step == step:
+                return finish(taken)  # the failure's own, already copied
+            return finish(Checkpoint.capture(
+                step, first.replica, first.optimizer, snapshot, scheduler=first.scheduler, scaler=first.scaler
+            ))
+
+        return HeldState(step, capture, replicas, snapshot)
+
+    def _whole_step(self) -> int | None:
+        """The step every local replica holds whole once the session has ended, if they all hold one."""
+        actors = self._actors
+        if not actors or not self._torn_down or self._left_behind or actors[0].update.shard is not None:
+            return None
+        steps = {actor.applied_step for actor in actors}
+        if len(steps) != 1 or any(actor.optimizer_dirty for actor in actors):
+            return None
+        step = steps.pop()
+        if step < self.first_step - 1:
+            return None
+        buffers = self._buffers
+        moved = self._failure is not None  # a step was interrupted: its forward may have moved the buffers
+        if buffers is None or (moved and not buffers.empty and buffers.snapshot(step) is None):
+            return None
+        return step
 
     def _fail(self, error: BaseException) -> BaseException:
         """Close the session for good because of ``error`` (raised by the caller)."""

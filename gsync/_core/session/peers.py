@@ -117,8 +117,9 @@ class SessionPeers:
         # Starting the watcher opens a store connection: not on the event loop.
         await setup.run(lambda: runtime.watch(lambda report: loop.call_soon(deliver, report)))
 
-    async def _start_with_peers(self, runtime: ProcessGroupRuntime, modules: list[nn.Module]) -> None:
-        """The start's collectives (same parameters, same step, rank 0's state); a peer failing meanwhile is named.
+    async def _start_with_peers(self, runtime: ProcessGroupRuntime, modules: list[nn.Module], broadcast: bool = True) -> None:
+        """The start's collectives (same parameters, same step, rank 0's state unless not ``broadcast``); a peer
+        failing meanwhile is named.
 
         :raises ~gsync.PeerFailed: when a peer reported a failure (its own
             start failed: an optimizer factory that raised, a checkpoint's
@@ -134,7 +135,7 @@ class SessionPeers:
         self._collective_what = SESSION_START
         failure: BaseException
         try:
-            await setup.run(lambda: runtime.prepare(modules, self.first_step))
+            await setup.run(lambda: runtime.prepare(modules, self.first_step, broadcast))
         except FitAborted:
             # Only news of a peer's failure aborts a start (a cancellation of this rank raises in the await instead).
             failures = [news for news in self._peer_news if not departure(news)]

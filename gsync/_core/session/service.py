@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
+from functools import partial
 import time
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -37,6 +38,7 @@ from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
 from ..elastic.departure import departed as _departed, on_sigterm_depart
 from ..elastic.membership import ElasticMembership
 from ..elastic.recovery import recoverable
+from ..state.held import HeldState
 
 if TYPE_CHECKING:
     from torch import nn
@@ -115,8 +117,8 @@ class SessionService:
             else None
         )
         """The elastic run this session belongs to: each of its generations is served by a core of its own."""
-        self._change: Checkpoint | None = None
-        """The state a planned membership change starts from, once one is asked for."""
+        self._changing = False
+        """A membership change every rank agreed on was asked for: the core ends for it, not for a close."""
         self._replaced = anyio.Event()
         """Set when the core is replaced by the next generation's, or the session ends."""
         self._change_error: BaseException | None = None
@@ -131,19 +133,23 @@ class SessionService:
         try:
             with self._scope, ExitStack() as stack:
                 elastic = self.elastic
-                resume, replay = self._resume, None
+                start = None if self._resume is None else HeldState.of(self._resume)
+                replay: bool | None = None
+                agreed = False
                 undo = self.watch_for_departure()
                 stack.callback(undo)
                 if elastic is not None:
                     # Entering blocks in a rendezvous (or waits to be taken in): in a thread, left on the abort flag.
                     with _aborting(elastic.abort):
-                        _generation, resume, handed_over = await anyio.to_thread.run_sync(elastic.enter, self._resume, abandon_on_cancel=True)
+                        _generation, start, handed_over = await anyio.to_thread.run_sync(elastic.enter, self._resume, abandon_on_cancel=True)
                     replay = handed_over or self._resume is not None
+                    agreed = handed_over
                 while True:
-                    following = await self._serve_generation(resume, replay)
+                    following = await self._serve_generation(start, replay, agreed)
                     if following is None or self.closing:
                         break  # ended, or closed while its membership changed: the new generation's peers go on
-                    resume, replay = following.state, False
+                    # Every member of the next generation holds the state it starts from: the one agreed on.
+                    start, replay, agreed = following.state, False, following.state is not None
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
             ended = self.core
             if ended is None:
@@ -167,14 +173,24 @@ class SessionService:
             self._replaced.set()
             self.done.set()
 
-    async def _serve_generation(self, resume: Checkpoint | None, replay: bool | None) -> _NextGeneration | None:
-        """Serve one core until it ends; for an elastic run whose membership must change, the next one's start."""
+    async def _serve_generation(
+        self, start: HeldState | None, replay: bool | None, agreed: bool
+    ) -> _NextGeneration | None:
+        """Serve one core until it ends; for an elastic run whose membership must change, the next one's start.
+
+        ``start``: the state the core starts from; it goes on with the replicas themselves when ``start`` holds
+        them (a survivor's, after a change), else copies the model and loads the checkpoint. ``agreed``: every
+        rank starts from a state the elastic run agreed on.
+        """
         elastic = self.elastic
         core: SessionCore | None = None
+        held = start if start is not None and start.has_replicas else None
         try:
             async with open_session(
-                self._settings, self._model, self._recipe, resume=resume, process_local_data=self._process_local_data,
-                replay=replay, elastic=elastic, on_idle_failure=self._failed_while_idle,
+                self._settings, self._model, self._recipe,
+                resume=None if start is None or held is not None else start.checkpoint(),
+                process_local_data=self._process_local_data, replay=replay, elastic=elastic,
+                on_idle_failure=self._failed_while_idle, held=held, agreed_start=agreed,
             ) as core:
                 if self._scope.cancel_called:
                     # Closed while it opened, and the start had nothing left to await: it ends here, as a
@@ -191,27 +207,25 @@ class SessionService:
                 replaced, self._replaced = self._replaced, anyio.Event()
                 replaced.set()
                 await core.end_requested.wait()
-                if self._change is None and not self._lost(core.failure):
+                if not self._changing and not self._lost(core.failure):
                     self.closing = True
                 if self._end_with is not None:
                     raise self._end_with  # the session ends as the block of a failed `async with` would
         except BaseException as error:
             if elastic is None or self.closing or not self._lost(error):
                 raise
-            mine = resume if core is None or core.failure is None else getattr(core.failure, "checkpoint", None)
-            if mine is not None and core is not None:
-                mine = self._with_data_position(mine)
+            # A core that failed to open took no forward step: the replicas it took are as they were.
+            mine = (None if start is None else start.put_back()) if core is None else core.hold(self._with_data_position)
         else:
             if elastic is None or self.closing:
                 if elastic is not None:
                     await anyio.to_thread.run_sync(elastic.finish)
                 return None
-            built = _opened_core(core)
-            mine = self._change if self._change is not None else getattr(built.failure, "checkpoint", None)
-            if mine is not None:
-                mine = self._with_data_position(mine)
-        self._change = None
-        if mine is None and not (core is None and resume is None):
+            mine = _opened_core(core).hold(self._with_data_position)
+        # A change every rank agreed on in the last step's agreement: peers still finishing that step finish it.
+        planned_after = None if not self._changing or mine is None else mine.step
+        self._changing = False
+        if mine is None and not (core is None and start is None):
             raise SessionClosed("the elastic session lost its state while its membership changed")
         # ``mine`` None: a member lost while the first session opened, before any step; it starts over.
         try:
@@ -219,24 +233,30 @@ class SessionService:
                 # SIGTERM came, and another member began the change first: this rank leaves in it.
                 with _aborting(elastic.abort):
                     await anyio.to_thread.run_sync(elastic.leave, abandon_on_cancel=True)
-                raise _departed(elastic, mine)
+                raise _departed(elastic, None if mine is None else mine.checkpoint())
             with _aborting(elastic.abort):
-                _generation, state = await anyio.to_thread.run_sync(elastic.change, mine, abandon_on_cancel=True)
+                _generation, state = await anyio.to_thread.run_sync(
+                    partial(elastic.change, mine, planned_after=planned_after), abandon_on_cancel=True
+                )
         except BaseException as error:
             self._change_error = error
             self.closing = True
             raise
         return _NextGeneration(state)
 
-    async def _depart(self, core: SessionCore, checkpoint: Checkpoint) -> None:
-        """Leave the run after the step every rank agreed on, close normally, and raise :class:`~gsync.Departed`."""
+    async def _depart(self, core: SessionCore) -> None:
+        """Leave the run after the step every rank agreed on, close normally, and raise :class:`~gsync.Departed`.
+
+        The others go on as soon as this rank has left: its checkpoint is copied afterwards, from its replicas.
+        """
         elastic = _elastic(self.elastic)
         with _aborting(elastic.abort):
-            await anyio.to_thread.run_sync(elastic.leave, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(elastic.leave, core.next_step - 1, abandon_on_cancel=True)
         self.closing = True
         core.request_end()
         await self.wait_done()
-        raise _departed(elastic, checkpoint)
+        held = core.hold(self._with_data_position)
+        raise _departed(elastic, None if held is None else await anyio.to_thread.run_sync(held.checkpoint))
 
     def watch_for_departure(self) -> Callable[[], None]:
         """On the main thread: SIGTERM makes this rank depart at the next step boundary. Returns the undo."""
@@ -269,17 +289,12 @@ class SessionService:
         if self.elastic is None:
             return core
         if core.change_due and core.usable and self.core is core and not self.closing:
-            try:
-                checkpoint: Checkpoint | None = await anyio.to_thread.run_sync(core.checkpoint)
-            except SessionClosed:
-                # Another member began the change first, and this core ended for it meanwhile: the service goes
-                # on from the failure's checkpoint, as after a loss.
-                checkpoint = None
-            if checkpoint is not None and core.usable:
-                if self.elastic.leaving:
-                    await self._depart(core, self._with_data_position(checkpoint))
-                self._change = checkpoint
-                core.request_end()
+            if self.elastic.leaving:
+                await self._depart(core)
+            else:
+                # Nothing is copied: the next generation goes on with this one's replicas (SessionCore.hold).
+                self._changing = True
+                core.end_for_change()
         elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
             return core
         while self.core is core and not self.done.is_set():
@@ -529,7 +544,7 @@ class SessionService:
 
 @dataclass(frozen=True)
 class _NextGeneration:
-    state: Checkpoint | None
+    state: HeldState | None
     """The state the next generation starts from; ``None``: the initial one (no member had applied a step)."""
 
 

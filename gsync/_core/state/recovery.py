@@ -31,12 +31,15 @@ def last_consistent(
     model: nn.Module,
     resume: Checkpoint | None,
     buffers: BufferSync | None,
+    held_start: bool = False,
 ) -> Checkpoint:
     """The state after the most advanced step a replica applied, from a replica not named in ``busy`` where one
     as advanced is not busy.
 
     Before the session's first step that is ``resume`` (the state it started
-    from), or ``model``'s own state when it started fresh.
+    from), or ``model``'s own state when it started fresh; ``held_start``:
+    the replicas were kept from an elastic run's last generation, and hold
+    the state before the first step themselves.
 
     :raises RuntimeError: if every replica was interrupted inside its optimizer step.
     """
@@ -49,7 +52,7 @@ def last_consistent(
     if not clean:
         raise RuntimeError("every replica was interrupted inside its optimizer step")
     best = max(clean, key=lambda actor: actor.applied_step)
-    if best.applied_step < first_step:
+    if best.applied_step < first_step and not held_start:
         if resume is not None:
             return resume
         return Checkpoint.capture(-1, model, best.optimizer, scheduler=best.scheduler, scaler=best.scaler)

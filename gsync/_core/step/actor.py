@@ -356,6 +356,7 @@ class DeviceActor:
 
     def close(self) -> None:
         self.capture.remove_hooks()
+        self.update.close()
         self.jobs.worker.stop()
         if self.index == 0 and self._context.batch_stats is not None:
             self._context.batch_stats.close()

@@ -55,8 +55,21 @@ class ReplicaUpdate:
         self._optimizer_stepped = False
         self.shard: ReplicaShard | None = None
         """``shard_optimizer=True``: this device's slices, which its optimizer steps (set as the session is assembled)."""
-        if scaler is not None and hasattr(optimizer, "register_step_post_hook"):
+        self._step_hook = (
             optimizer.register_step_post_hook(self._on_optimizer_step)
+            if scaler is not None and hasattr(optimizer, "register_step_post_hook")
+            else None
+        )
+
+    def holds(self, step: int) -> None:
+        """The replica starts out holding the state after ``step`` (kept from an elastic run's last generation)."""
+        self.applied_step = step
+
+    def close(self) -> None:
+        """Let go of the optimizer: a replica kept for the next generation is stepped by that one's update."""
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     def skip(self, synced: StepSynced) -> tuple[StepApplied, None]:
         # The step is left out, but the next step writes the buckets, which

@@ -241,15 +241,50 @@ def test_an_nccl_generation_aborts_its_communicator_before_the_session_hears_of_
         run.current = dataclasses.replace(run.current, group=StandInNccl())
     heard: list[int] = []
     watched = runs[1].current
-    watcher = ReformWatcher(runs[1], watched, lambda: heard.append(watched.group.aborted), lambda: None)
+    planned: list[int | None] = []
+
+    def on_reform(after: int | None) -> None:
+        planned.append(after)
+        heard.append(watched.group.aborted)
+
+    watcher = ReformWatcher(runs[1], watched, on_reform, lambda: None)
     watcher.start()
     abort = threading.Event()
     decision = runs[0].reform(abort)  # rank 1's watcher answers for it
     assert decision.members == (0, 1)
     assert heard == [1]  # aborted before the session was told
+    assert planned == [None]  # after a loss: the step in flight is given up
     assert runs[0].current.group.aborted == 1
     before = runs[0].current.group
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda run: run.form(decision), runs))
     assert before.aborted == 1  # retiring it does not abort it again
+    watcher.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_change_planned_in_a_steps_agreement_lets_the_others_finish_that_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A departure (or a knock) agreed in step 6's agreement: the member that begins the change is past that step,
+    # and so is every collective of it. A member still applying step 6 is told which step, and finishes it
+    # (its communicator is not aborted under it) instead of giving it up to be redone.
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNccl, raising=False)
+    server = store_server()
+    runs = started(server, 2, gsync.Elastic(answer_within=5.0))
+    for run in runs:
+        run.current = dataclasses.replace(run.current, group=StandInNccl())
+    watched = runs[1].current
+    told: list[int | None] = []
+    heard = threading.Event()
+
+    def on_reform(after: int | None) -> None:
+        told.append(after)
+        heard.set()
+
+    watcher = ReformWatcher(runs[1], watched, on_reform, lambda: None)
+    watcher.start()
+    decision = runs[0].reform(threading.Event(), planned_after=6)
+    assert decision.members == (0, 1)  # answered by rank 1's watcher, at once
+    assert heard.wait(30)
+    assert told == [6]
+    assert watched.group.aborted == 0
     watcher.stop()

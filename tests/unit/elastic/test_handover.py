@@ -23,6 +23,7 @@ from torch import nn
 import gsync
 from gsync._core.elastic import handover
 from gsync._core.elastic.handover import agree_state, decode_state, encode_state
+from gsync._core.state.held import HeldState
 from gsync._core.state.rng import capture_rng
 
 TIMEOUT = timedelta(seconds=20)
@@ -149,12 +150,34 @@ def gloo_groups(size: int) -> tuple[dist.TCPStore, list[dist.ProcessGroup]]:
 def test_a_member_behind_and_a_joiner_are_sent_every_field_of_the_most_advanced_state() -> None:
     _server, groups = gloo_groups(3)
     ahead, behind = trained_checkpoint(5), trained_checkpoint(4)
+    held = [HeldState.of(behind), HeldState.of(ahead), None]
     abort = threading.Event()
     with ThreadPoolExecutor(3) as pool:
-        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort), zip(groups, [behind, ahead, None])))
-    assert agreed[1] is ahead
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort), zip(groups, held)))
+    assert agreed[1] is held[1]
     for state in (agreed[0], agreed[2]):
-        assert_same(state, ahead)
+        assert state is not None and not state.has_replicas
+        assert_same(state.checkpoint(), ahead)
+
+
+@pytest.mark.timeout(60)
+def test_members_that_hold_the_same_step_go_on_with_their_own_state_and_nothing_is_copied() -> None:
+    _server, groups = gloo_groups(2)
+    captures: list[int] = []
+
+    def held(rank: int) -> HeldState:
+        def capture() -> gsync.Checkpoint:
+            captures.append(rank)
+            return trained_checkpoint(6)
+
+        return HeldState(6, capture)
+
+    mine = [held(0), held(1)]
+    abort = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort), zip(groups, mine)))
+    assert agreed[0] is mine[0] and agreed[1] is mine[1]
+    assert captures == []  # no checkpoint was taken: each member's replicas go on as they are
 
 
 @pytest.mark.timeout(60)
@@ -165,8 +188,8 @@ def test_a_member_sent_state_that_would_run_code_refuses_it_with_a_checkpoint_er
     monkeypatch.setattr(handover, "encode_state", lambda checkpoint: hostile_state(marker))
     abort = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        sender = pool.submit(agree_state, groups[0], trained_checkpoint(7), abort)
-        receiver = pool.submit(agree_state, groups[1], trained_checkpoint(4), abort)
+        sender = pool.submit(agree_state, groups[0], HeldState.of(trained_checkpoint(7)), abort)
+        receiver = pool.submit(agree_state, groups[1], HeldState.of(trained_checkpoint(4)), abort)
         sender.result(timeout=30)
         with pytest.raises(gsync.CheckpointError, match="the state sent by the new membership's rank 0 was refused"):
             receiver.result(timeout=30)
@@ -186,5 +209,5 @@ def test_a_refused_state_ends_the_change_with_this_ranks_own_checkpoint(monkeypa
     elastic = membership.ElasticMembership(gsync.Elastic(), None, 20.0)
     # Not a membership that failed to form (which the change retries): this rank cannot start from what it was sent.
     with pytest.raises(gsync.CheckpointError) as raised:
-        elastic._agree_state(SimpleNamespace(host=None), mine)  # type: ignore[arg-type]  # only its host group is read
+        elastic._agree_state(SimpleNamespace(host=None), HeldState.of(mine))  # type: ignore[arg-type]  # only its host group is read
     assert raised.value.checkpoint is mine and raised.value.last_step == 4
