@@ -249,6 +249,12 @@ class SessionCore(SessionOperations):
         # Between steps, the generators are where the next step starts from.
         return replace(checkpoint, rng_state=self.generators())
 
+    @property
+    def checkpoint_gathers(self) -> bool:
+        """A ``shard_optimizer=True`` run across processes: :meth:`checkpoint` is a collective every rank takes."""
+        context = self._context
+        return self.world_size > 1 and context is not None and context.sharding is not None
+
     def generators(self) -> dict[str, Any] | None:
         """The global random generators' state as a checkpoint keeps it (``None`` across processes)."""
         if self.world_size > 1:

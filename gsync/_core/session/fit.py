@@ -179,8 +179,7 @@ def checkpoint_gathers(core: SessionCore) -> bool:
     """A ``shard_optimizer=True`` run across processes: each rank holds part of the optimizer state, and a
     checkpoint is a collective every rank takes at the same step (on the event loop: see
     :meth:`SessionCore.checkpoint`)."""
-    context = core._context
-    return core.world_size > 1 and context is not None and context.sharding is not None
+    return core.checkpoint_gathers
 
 
 async def _capture(core: SessionCore) -> Checkpoint:
