@@ -26,6 +26,8 @@ __all__ = ("LocalCollective",)
 
 
 class LocalCollective:
+    """The :class:`~gsync.Collective` of ``num_devices`` devices in this process: arithmetic in place, no transport."""
+
     def __init__(self, num_devices: int) -> None:
         self._num_devices = num_devices
 

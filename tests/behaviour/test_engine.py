@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import Callable
 
@@ -309,3 +310,30 @@ async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
         model, batches, optimizer=sgd, loss_fn=loss_fn, callbacks=[StaleDeadlines()]
     )
     assert len(result.losses) == steps and result.skipped_steps == []
+
+
+SECOND_OF_IMPORTS = """
+import asyncio, sys, torch, gsync
+seen = []
+
+def optimizer(params):
+    seen.append("torch._dynamo" in sys.modules)
+    return torch.optim.SGD(params, lr=0.1)
+
+async def main():
+    model = torch.nn.Linear(4, 2)
+    async with gsync.Engine(["cpu"]).session(model, optimizer=optimizer, loss_fn=lambda m, b: m(b).sum()) as session:
+        await session.step(torch.ones(8, 4))
+    print(seen)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_the_first_optimizer_of_a_process_is_built_without_a_second_of_imports_on_the_event_loop() -> None:
+    # torch.optim's first optimizer imports torch._dynamo (about a second): the user's factory runs on the loop,
+    # so the session makes that import in its copying thread first. A fresh interpreter, since this one has it.
+    done = await anyio.run_process([sys.executable, "-c", SECOND_OF_IMPORTS], check=False)
+    assert done.returncode == 0, done.stderr.decode()
+    assert done.stdout.decode().strip() == "[True]"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,11 +35,16 @@ class Replica:
 def copy_replicas(model: nn.Module, devices: Sequence[DeviceSpec], resume: Checkpoint | None) -> list[nn.Module]:
     """One copy of ``model`` per device (with ``resume``'s weights): the heavy, copying half, for a thread.
 
+    It also makes the import that building the first optimizer would make on
+    the event loop, where the user's factories run: torch.optim imports
+    ``torch._dynamo`` then, about a second of the loop blocked.
+
     Modes are kept as given (a frozen BatchNorm in eval mode stays so), as DDP does.
 
     :raises ~gsync.ConfigError: when the model cannot be copied, or has a post-accumulate-grad hook.
     """
     _refuse_post_accumulate_hooks(model)
+    importlib.import_module("torch._dynamo")
     modules = []
     for spec in devices:
         module = _copy_model(model).to(spec.torch_device)
