@@ -256,6 +256,42 @@ def test_evaluate_when_one_rank_gets_no_rows() -> None:
     assert results[0].value == results[1].value and set(results[0].value) == {"loss"}
 
 
+def native_threads_after_a_session() -> list[str]:
+    import gc
+
+    import gsync
+
+    async def main() -> None:
+        engine = gsync.Engine(["cpu"], sync_timeout=20)
+        async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
+            # What torch.optim's first optimizer does (through torch._dynamo), done here whatever gsync imported
+            # first: torch.distributed.nn binds group.WORLD into its default arguments as it is imported.
+            import torch.distributed.nn  # noqa: F401
+
+            await session.step(make_batches(1, 8)[0])
+
+    asyncio.run(main())
+    gc.collect()
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(names)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists the process's threads through /proc")
+def test_the_group_gsync_created_leaves_no_native_threads_behind_after_the_session() -> None:
+    # A group still alive at exit (held by torch.distributed.nn's default arguments) keeps gloo's threads and the
+    # TCPStore server running while the interpreter shuts down, which now and then aborts a rank that returned.
+    for result in run_ranks(native_threads_after_a_session, 2, timeout=80, check=True):
+        left = [name for name in result.value if "gloo" in name or "tcpstore" in name]
+        assert left == [], f"rank {result.rank}: {result.value}"
+
+
 def a_rank_fails_while_its_session_starts(case: str) -> dict[str, Any]:
     """Rank 1 fails after joining the group, while rank 0 waits in the session's first collectives."""
     import torch.distributed as dist

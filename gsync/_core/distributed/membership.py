@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from dataclasses import dataclass, field
@@ -236,6 +237,13 @@ def _initialised(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: need 0 <= RANK < WORLD_SIZE")
     group_store = _fresh_prefix(store if store is not None else create_store(rank, world_size, timeout), world_size)
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as its functions' default arguments when it is
+    # first imported, which torch.optim (through torch._dynamo) does at the first optimizer: imported after this
+    # group exists, those defaults hold it for the rest of the process, and destroying it in close() no longer
+    # frees it. Its gloo threads and the TCPStore server then outlive the run and still run while the interpreter
+    # exits (where a rank was seen to abort now and then: "terminate called without an active exception").
+    # Imported first, the defaults hold None and close() frees the group.
+    importlib.import_module("torch.distributed.nn")
     init_kwargs: dict[str, Any] = {}
     if backend == "nccl" and nccl_device is not None:
         # Binds the group to this device and sets up NCCL now, not at the first collective.
