@@ -44,9 +44,27 @@ FEATURES = 6
 ROWS = 12  # a global batch: 4 rows per rank on 3 ranks, 6 on 2, 3 on 4
 
 
+class ForwardCount(nn.Module):
+    """The identity, counting its training forwards in a buffer (as BatchNorm's ``num_batches_tracked`` does).
+
+    A step interrupted after its forward moved the count on: a survivor that goes on with its own replica must
+    put its buffers back as the last whole step left them, or it ends a step ahead of the uninterrupted run.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("forwards", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.forwards.add_(1)
+        return x
+
+
 def model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1))
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, 1), ForwardCount())
 
 
 def global_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
