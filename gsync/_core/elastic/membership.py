@@ -29,6 +29,7 @@ from ...errors import CheckpointError, ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
 from .handover import agree_state
 from ..state.held import HeldState
+from ..state.replicas import import_optimizer_machinery
 from ..threads import FitAborted
 from .quorum import Decision, ElasticRun, Generation, NotAMember, RunGone
 from .recovery import connection_lost
@@ -79,6 +80,8 @@ class ElasticMembership:
                 )
             store = create_store(self.launch_rank, self.launch_world, self._group_timeout)
         self.run = ElasticRun(store, self.launch_rank, self.launch_world, self.settings, self._group_timeout, self._device)
+        # Made before knocking: a joiner taken in builds its replicas while the members wait for it.
+        import_optimizer_machinery()
         generation = self.run.enter(self.abort)
         if generation.number == 0:
             return generation, None if resume is None else HeldState.of(resume), False

@@ -17,7 +17,7 @@ from ..step.context import Recipe
 from ..devices import DeviceSpec
 from ...errors import ConfigError, InputTypeError
 
-__all__ = ("Replica", "copy_replicas", "equip_replicas", "trainable")
+__all__ = ("Replica", "copy_replicas", "equip_replicas", "import_optimizer_machinery", "trainable")
 
 
 def trainable(module: nn.Module) -> list[nn.Parameter]:
@@ -32,19 +32,23 @@ class Replica:
     scaler: torch.amp.GradScaler | None
 
 
+def import_optimizer_machinery() -> None:
+    """What the first optimizer a process builds imports: ``torch._dynamo``, about a second. Blocking: in a thread."""
+    importlib.import_module("torch._dynamo")
+
+
 def copy_replicas(model: nn.Module, devices: Sequence[DeviceSpec], resume: Checkpoint | None) -> list[nn.Module]:
     """One copy of ``model`` per device (with ``resume``'s weights): the heavy, copying half, for a thread.
 
     It also makes the import that building the first optimizer would make on
-    the event loop, where the user's factories run: torch.optim imports
-    ``torch._dynamo`` then, about a second of the loop blocked.
+    the event loop, where the user's factories run (:func:`import_optimizer_machinery`).
 
     Modes are kept as given (a frozen BatchNorm in eval mode stays so), as DDP does.
 
     :raises ~gsync.ConfigError: when the model cannot be copied, or has a post-accumulate-grad hook.
     """
     _refuse_post_accumulate_hooks(model)
-    importlib.import_module("torch._dynamo")
+    import_optimizer_machinery()
     modules = []
     for spec in devices:
         module = _copy_model(model).to(spec.torch_device)
