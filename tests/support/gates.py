@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import anyio
 import torch
 
 import gsync
-from gsync._core.threads import FitAborted
-
-if TYPE_CHECKING:
-    from gsync._core.step.sharding import ShardedStep
-
-_GATE_S = 60.0  # a bound on a gather gate's own waits, far beyond a test's: they end on a signal, not on it
 
 
 class CancelAfterStep:
@@ -86,80 +78,3 @@ class _Held(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.gate._wait()
         return grad, None
-
-
-class GatherGate:
-    """The sharded step's collective, whose all-gather of ``bucket`` (the next one once :meth:`arm` ed, every one
-    with ``always``) waits until a reader of the replicas waits for that bucket (``"open"``), fails (``"fail"``),
-    waits for the session's abort flag (``"abort"``), as a collective over a lost peer does, or ends the process
-    (``"exit"``: a rank lost mid-gather).
-
-    It wraps ``sharding``'s collective and the waits that tell it a reader waits (:meth:`ShardedStep._block`,
-    :meth:`ShardedStep.whole`); :attr:`events` records ``"reader waits"`` and ``"gathered"`` (the gated bucket let
-    through) in order, and a test's own hooks may add to it.
-    """
-
-    def __init__(
-        self,
-        sharding: ShardedStep,
-        bucket: int,
-        mode: Literal["open", "fail", "abort", "exit"] = "open",
-        always: bool = False,
-    ) -> None:
-        self.inner = sharding._collective
-        self.sharding = sharding
-        self.bucket = bucket
-        self.mode = mode
-        self.position = sharding.gather_order.index(bucket)
-        self.per_gather = len(sharding.gather_order)
-        self.calls = 0
-        self.armed = False
-        self.always = always
-        self.reader_waits = threading.Event()
-        self.events: list[str] = []
-        sharding._collective = self  # type: ignore[assignment]
-        block, whole = sharding._block, sharding.whole
-
-        def blocking(buckets: Sequence[int]) -> None:
-            if bucket in buckets:
-                self.events.append("reader waits")
-                self.reader_waits.set()
-            block(buckets)
-
-        async def awaiting() -> None:
-            if not sharding.ready([bucket]):
-                self.events.append("reader waits")
-                self.reader_waits.set()
-            await whole()
-
-        sharding._block = blocking  # type: ignore[method-assign]
-        sharding.whole = awaiting  # type: ignore[method-assign]
-
-    def arm(self) -> None:
-        self.reader_waits.clear()
-        self.armed = True
-
-    def all_gather(self, tensors: Sequence[torch.Tensor]) -> None:
-        position, self.calls = self.calls % self.per_gather, self.calls + 1
-        if position == self.position and (self.armed or self.always):
-            self.armed = False
-            if self.mode == "fail":
-                raise RuntimeError("the gate's all-gather failed")
-            if self.mode == "exit":
-                os._exit(3)
-            if self.mode == "abort":
-                assert self.sharding._abort.wait(_GATE_S), "the session never aborted"
-                raise FitAborted
-            assert self.reader_waits.wait(_GATE_S), "nothing waited for the gated bucket"
-            self.reader_waits.clear()
-            self.events.append("gathered")
-        self.inner.all_gather(tensors)  # type: ignore[union-attr]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
-def bucket_of(sharding: ShardedStep, name: str) -> int:
-    """The bucket of the parameter named ``name`` (under a compiled model's ``_orig_mod.`` too)."""
-    names = sharding.plan.names
-    return sharding.plan.bucket_of[next(i for i, n in enumerate(names) if n == name or n.endswith("." + name))]

@@ -67,13 +67,6 @@ class DeviceActor:
         )
         self._context = context
         self._losses = LossReadout(spec.torch_device, context.abort)
-        # shard_optimizer: the next step's forward starts while the last step's shards are gathered; each module
-        # waits for its own parameters' buckets (see ShardedStep.watch).
-        self._gather_hooks, self._forward_overlaps = (
-            context.sharding.watch(index, replica, self.params, self._waiting_on_gather)
-            if context.sharding is not None
-            else ([], False)
-        )
 
     # What the session, the sync server, the heartbeat and a checkpoint read of the device.
 
@@ -214,17 +207,11 @@ class DeviceActor:
             # The device's gradient is the weighted mean over the step's
             # batches; the reduction weights it by ``weight`` as a whole.
             capture.start_batch(last, 1.0 if batches == 1 else rows / total / batches / weight)
-            if self._context.sharding is not None and not self._forward_overlaps:
-                # A compiled model: the whole of the last step's gather before its forward starts.
-                self._context.sharding.wait_whole(self.index, self._waiting_on_gather)
             with jobs.enter("forward"), recipe.autocast_in(self.spec.torch_device):
                 loss = recipe.loss_fn(self.replica, data)
                 self._check_loss(loss)
                 # Read after backward is launched, not here: no host sync between the two.
                 readout.add(loss, rows / total / batches)
-            if self._context.sharding is not None:
-                # Whatever the forward left ungathered (the buckets of parameters it did not use), before backward.
-                self._context.sharding.wait_whole(self.index, self._waiting_on_gather)
             with jobs.enter("backward"):
                 capture.before_backward()
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -245,10 +232,6 @@ class DeviceActor:
         # server tells every device to leave the step's update out.
         share = sum(value * weight for value, weight in losses)
         self._context.server.forward_done(ForwardDone(self.index, self.step, share, nonfinite is not None))
-
-    def _waiting_on_gather(self, waiting: bool) -> None:
-        # Blocked on the last step's all-gather, which waits on the other devices and processes: as in a collective.
-        self.jobs.waiting = waiting
 
     def _check_loss(self, loss: object) -> None:
         where = f"on {self.spec.name} at step {self.step}"
@@ -285,8 +268,6 @@ class DeviceActor:
         """
         if rows == 0:
             return {}
-        if self._context.sharding is not None:
-            await self._context.sharding.whole()  # a metric_fn may read the parameters themselves
         self.jobs.step = after_step
         result: dict[str, float] = await self.jobs.run_timed(self._evaluate, data, rows, metric_fn, site="evaluate")
         return result
@@ -310,16 +291,11 @@ class DeviceActor:
                     await self._first_forward_backward(shard, turns)
                 else:
                     await self.jobs.run(self._forward_backward, shard)
-                if self._context.sharding is not None:
-                    # The last step's gather read the slices this step's optimizer writes: it must be done (by now it
-                    # nearly always is), and a failure of it is raised here.
-                    self.jobs.waiting = True
-                    await self._context.sharding.whole()
                 if not await self._await_sync(shard.step, turns):
                     return
-            if self._context.sharding is not None:
-                # The end of the data: the model the session hands back is read whole.
-                await self._context.sharding.whole()
+                if self._context.sharding is not None:
+                    # The other devices' updated shards must be in this replica before it runs again.
+                    await self._context.sharding.gathered(shard.step)
             message = await self.mailbox.receive()
             if not isinstance(message, Close):
                 raise SyncFailed(self.step, None, f"protocol error: {message!r} after the last step")
@@ -380,9 +356,6 @@ class DeviceActor:
 
     def close(self) -> None:
         self.capture.remove_hooks()
-        for handle in self._gather_hooks:
-            handle.remove()
-        self._gather_hooks = []
         self.update.close()
         self.jobs.worker.stop()
         if self.index == 0 and self._context.batch_stats is not None:

@@ -10,11 +10,9 @@ processes) owns a contiguous range of each bucket, so a parameter may be cut bet
    non-finite sum is the one answer every device's GradScaler gives (a skipped step is skipped on every
    shard);
 3. each device's optimizer steps its shard (:class:`ReplicaShard`);
-4. once every local device has stepped, each device reports the step applied and the updated shards are
-   all-gathered back into every replica, one bucket at a time, the last bucket (the first parameters) first
-   (:class:`ShardedStep`), while the next step's forward already runs: a module waits for the buckets of its
-   own parameters only, and whatever else reads a replica (the next optimizer step, an evaluation, a
-   checkpoint, the model handed back) for the whole gather.
+4. once every local device has stepped, the updated shards are all-gathered back into every replica, one
+   bucket at a time (:class:`ShardedStep`), and only then does each device report the step applied and
+   start the next one.
 
 **Why per-parameter slices.** The optimizer is the user's factory's, built over the replica's whole
 parameters (so groups chosen by shape, name or a flag come out as unsharded), whose parameter groups
@@ -36,18 +34,14 @@ the same point between steps (:mod:`gsync._core.session.sharded_checkpoint`), he
 
 from __future__ import annotations
 
-import threading
-import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 
 import anyio
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from ...comm.base import Collective
 from ...errors import CheckpointError, ConfigError, GsyncError, SyncFailed
@@ -238,19 +232,11 @@ class ReplicaShard:
         return list(plan.params)
 
     def unpack(self, bucket: int, scratch: torch.Tensor) -> None:
-        """Every parameter of ``bucket`` from the gathered ``scratch``, but for this device's own slices, which
-        the optimizer updated in place (and :meth:`pack` copied from)."""
+        """Every parameter of ``bucket`` from the gathered ``scratch``."""
         plan = self._plan.buckets[bucket]
-        targets, sources = [], []
-        for position, offset in zip(plan.params, plan.offsets):
-            param = self.params[position].detach().view(-1)
-            start, stop = self.ranges[position]
-            for first, last in ((0, start), (stop, param.numel())) if stop > start else ((0, param.numel()),):
-                if last > first:
-                    targets.append(param[first:last])
-                    sources.append(scratch[offset + first : offset + last])
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        params = [self.params[position].detach().view(-1) for position in plan.params]
+        sources = [scratch[offset : offset + param.numel()] for param, offset in zip(params, plan.offsets)]
+        torch._foreach_copy_(params, sources)
 
 
 _NOT_ELEMENTWISE = {
@@ -316,21 +302,10 @@ def _gathered(
 class ShardedStep:
     """What a session's devices share when the optimizer is sharded: the all-gather after each step.
 
-    Each device reports its applied step here (:meth:`applied`); once every local device has, the updated
-    shards are all-gathered on the communication thread, bucket by bucket in :attr:`gather_order` (the reverse
-    of the bucket order, so the parameters a forward uses first come first; the same on every process, which
-    issues the same collectives in the same order), and every device's ``StepApplied`` goes to the session at
-    once: the next step may start while the gather runs.
-
-    The next step's forward waits per bucket, in the device's thread: :meth:`watch` gives each module of a
-    replica holding trainable parameters a forward pre-hook that waits for the buckets of its own parameters
-    only (so a module runs as soon as its parameters are in, while later buckets are still gathered), and the
-    replica itself a forward post-hook and a ``state_dict`` pre-hook that wait for every bucket (a compiled
-    model, whose graph the hooks would be compiled into, waits for every bucket before its forward instead).
-    Everything else that reads a replica waits for the whole gather (:meth:`whole`, :meth:`wait_whole`): a device before
-    its next optimizer step (which writes the slices the gather read), an evaluation, the end of the session's
-    data. A wait leaves on the session's abort flag, with the gather's error when it failed, and when the
-    gather made no progress for ``sync_timeout``.
+    Each device reports its applied step here instead of to the session (:meth:`applied`); once every local
+    device has, the updated shards are all-gathered on the communication thread, in bucket order (every
+    process issues the same collectives in the same order), and then every device's ``StepApplied`` goes
+    to the session. A device awaits :meth:`gathered` before its next step.
     """
 
     def __init__(self, local_devices: int, world_devices: int, device_offset: int, plan: BucketPlan, sync_timeout: float) -> None:
@@ -340,30 +315,10 @@ class ShardedStep:
         self.plan = plan
         self.shards: list[ReplicaShard] = []
         self.clips_or_scales = False
-        self.gather_order = tuple(reversed(range(len(plan.buckets))))
-        """The buckets in the order they are gathered: the last bucket holds the first parameters registered,
-        which a forward typically uses first (the plan fills buckets in reverse registration order)."""
         self._timeout = sync_timeout
         self._pending: dict[int, StepApplied] = {}
         self._done: dict[int, anyio.Event] = {}
         self._errors: dict[int, BaseException] = {}
-        self._latest: int | None = None
-        # Shared with the device threads (and the loop, reading a replica's state_dict): under _changed.
-        self._changed = threading.Condition()
-        self._wanted = -1
-        """The last step whose gather was submitted: a bucket is whole once ``_through`` reaches it."""
-        self._through = [-1] * len(plan.buckets)
-        """Per bucket, the last step whose updated shards are in every local replica (written by the comm thread)."""
-        self._complete = -1
-        """The last step whose every bucket is in (what a hook reads first, once the gather is done)."""
-        self._broken: BaseException | None = None
-        """The error that ended the gather of ``_wanted`` early."""
-        self._moved_at = time.monotonic()
-        """When the gather in progress was submitted or last finished a bucket (a wait's timeout runs from it)."""
-        self._start_events: list[Any] = []
-        self._bucket_events: list[list[Any]] = [[] for _ in plan.buckets]
-        # CUDA: per device and bucket, the last step whose gather its compute stream was made to wait for.
-        self._compute_waited = [[-1] * len(plan.buckets) for _ in range(local_devices)]
         self._scratch: list[dict[torch.dtype, torch.Tensor]] = [{} for _ in range(local_devices)]
         self._comm: WorkerThread | None = None
         self._collective: Collective | None = None
@@ -435,159 +390,28 @@ class ShardedStep:
         for shard, part in zip(self.shards, parts):
             shard.squared_norm = part
 
-    # -- the replicas' hooks: in the device threads (and wherever a state_dict is read) --
-
-    def watch(
-        self, device: int, replica: nn.Module, params: Sequence[nn.Parameter], waiting: Callable[[bool], None]
-    ) -> tuple[list[RemovableHandle], bool]:
-        """Hooks on device ``device``'s ``replica`` (``params``: its trainable parameters, in the plan's order):
-        a module's forward waits for the buckets of its own parameters, the replica's forward returns, and its
-        ``state_dict()`` reads, once every bucket is in; and whether its forward may start before the gather is
-        done (not for a ``torch.compile``-d model, into whose graph the hooks would be compiled: its forward waits
-        for the whole gather first, :meth:`wait_whole`). ``waiting(True)`` while a hook blocks, ``waiting(False)``
-        after (the device waits on the gather's peers then, as in a collective)."""
-        every = tuple(range(len(self.plan.buckets)))
-        handles = [replica.register_state_dict_pre_hook(partial(self._before_state_dict, device, every))]
-        if any(_compiled(module) for module in replica.modules()):
-            return handles, False
-        position = {id(param): index for index, param in enumerate(params)}
-        bucket_of = self.plan.bucket_of
-        for module in replica.modules():
-            # Its own parameters only: a parent does not wait for its children's, which their own hooks do (but
-            # for those of a container it reads itself, such as an nn.ParameterList).
-            buckets = sorted({bucket_of[position[id(p)]] for p in _own_parameters(module) if id(p) in position})
-            if buckets:
-                # Ahead of the model's own hooks, which may read the parameters (torch.nn.utils.weight_norm's).
-                hook = partial(self._before_forward, device, tuple(buckets), waiting)
-                handles.append(module.register_forward_pre_hook(hook, prepend=True))
-        # A loss_fn reading parameters after the model's forward (a penalty on the weights) reads them whole.
-        handles.append(replica.register_forward_hook(partial(self._after_forward, device, every, waiting), prepend=True))
-        return handles, True
-
-    def _before_forward(
-        self, device: int, buckets: tuple[int, ...], waiting: Callable[[bool], None], module: nn.Module, args: Any
-    ) -> None:
-        self.wait_buckets(device, buckets, waiting, compute=True)
-
-    def _after_forward(
-        self, device: int, buckets: tuple[int, ...], waiting: Callable[[bool], None], module: nn.Module, args: Any, output: Any
-    ) -> None:
-        self.wait_buckets(device, buckets, waiting, compute=True)
-
-    def _before_state_dict(self, device: int, buckets: tuple[int, ...], module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        # Read by a checkpoint, the model a session hands back, session.model; a failure's checkpoint (the abort
-        # flag is set) does not wait: it puts every local shard into the replica it reads itself.
-        if self._abort is not None and self._abort.is_set():
-            return
-        self.wait_buckets(device, buckets, _not_told)
-
-    def ready(self, buckets: Sequence[int]) -> bool:
-        """Whether the last step's updated shards of every bucket in ``buckets`` are in every local replica."""
-        wanted = self._wanted
-        if self._complete >= wanted:
-            return True
-        through = self._through
-        return all(through[bucket] >= wanted for bucket in buckets)
-
-    def wait_whole(self, device: int | None = None, waiting: Callable[[bool], None] | None = None) -> None:
-        """:meth:`wait_buckets` for every bucket, in device ``device``'s jobs (on its compute stream)."""
-        self.wait_buckets(device, range(len(self.plan.buckets)), waiting or _not_told, compute=True)
-
-    def wait_buckets(
-        self, device: int | None, buckets: Sequence[int], waiting: Callable[[bool], None], compute: bool = False
-    ) -> None:
-        """Block until the last step's gather of ``buckets`` is done; with CUDA, ``device``'s current stream
-        then waits for it too (``compute``: the device's compute stream, in its jobs, which waits for each
-        bucket's gather once).
-
-        :raises ~gsync._core.threads.FitAborted: when the session's abort flag is set meanwhile.
-        :raises ~gsync.SyncFailed: when the gather failed, or made no progress for ``sync_timeout``.
-        """
-        if not self.ready(buckets):
-            waiting(True)
-            try:
-                self._block(buckets)
-            finally:
-                waiting(False)
-        if device is not None:
-            self._cuda_wait(device, buckets, compute)
-
-    def _block(self, buckets: Sequence[int]) -> None:
-        started = time.monotonic()
-        with self._changed:
-            while not self.ready(buckets):
-                broken = self._broken
-                if broken is not None:
-                    if isinstance(broken, (FitAborted, GsyncError)):
-                        raise broken
-                    raise SyncFailed(self._wanted, None, "the all-gather of the updated optimizer shards failed") from broken
-                if self._abort is not None and self._abort.is_set():
-                    raise FitAborted
-                left = self._timeout - (time.monotonic() - max(started, self._moved_at))
-                if left <= 0:
-                    raise SyncFailed(
-                        self._wanted, None,
-                        f"the all-gather of the updated optimizer shards made no progress for {self._timeout} s",
-                    )
-                # The abort flag is an event of its own: read it at least every _ABORT_POLL_S.
-                self._changed.wait(min(left, _ABORT_POLL_S))
-
-    def _cuda_wait(self, device: int, buckets: Sequence[int], compute: bool) -> None:
-        streams = self._streams
-        if not isinstance(streams, CudaStreamSync):
-            return
-        current = torch.cuda.current_stream(streams.devices[device])
-        waited = self._compute_waited[device]
-        for bucket in buckets:
-            events, gathered = self._bucket_events[bucket], self._through[bucket]
-            if not events or (compute and waited[bucket] >= gathered):
-                continue
-            current.wait_event(events[device])
-            if compute:
-                waited[bucket] = gathered
-
     # -- on the event loop -----------------------------------------------------------
 
     def applied(self, index: int, applied: StepApplied) -> None:
-        """Device ``index`` applied ``applied.step``; the last local device's report starts the all-gather and
-        reports every device's step applied to the session."""
+        """Device ``index`` applied ``applied.step``; the last local device's report starts the all-gather."""
         step = applied.step
         self._done.setdefault(step, anyio.Event())
         self._pending[index] = applied
         if len(self._pending) < self.local_devices:
             return
         reports = [self._pending.pop(i) for i in range(self.local_devices)]
-        self._latest = step
         if all(report.skipped for report in reports):
             # Skipped on every device of every process alike (the skip is agreed): nothing changed to gather.
-            self._finish(step, Outcome(None, None))
-        else:
-            if self._comm is None:
-                raise RuntimeError("ShardedStep used before bind()")
-            streams = self._streams
-            if isinstance(streams, CudaStreamSync):
-                # Recorded now, before any device queues the next step's forward: the gather's copies follow the
-                # optimizer steps only.
-                self._start_events = _recorded([streams.compute_cuda_stream(d) for d in range(streams.num_devices)])
-            with self._changed:
-                self._wanted = step
-                self._broken = None
-                self._moved_at = time.monotonic()
-            # Submitted before the session hears of the step: every later collective (the next step's
-            # reductions, a session call's) queues behind it on the communication thread.
-            self._comm.submit(lambda: self._gather(step), lambda outcome: self._finish(step, outcome), report_success=True)
-        if self._session is not None:
-            for report in reports:
-                self._session.try_post(report)
-
-    async def whole(self) -> None:
-        """Wait until the last step's gather is done (:meth:`gathered`); at once before any step."""
-        if self._latest is not None:
-            await self.gathered(self._latest)
+            self._finish(step, reports, Outcome(None, None))
+            return
+        if self._comm is None:
+            raise RuntimeError("ShardedStep used before bind()")
+        self._comm.submit(
+            lambda: self._gather(step), lambda outcome: self._finish(step, reports, outcome), report_success=True
+        )
 
     async def gathered(self, step: int) -> None:
-        """Wait until ``step``'s updated shards are in every local replica (and the replicas were compared, on a
-        step that compares them).
+        """Wait until ``step``'s updated shards are in every local replica.
 
         :raises ~gsync.SyncFailed: when the all-gather failed, or did not finish within ``sync_timeout``.
         """
@@ -607,21 +431,20 @@ class ShardedStep:
         self._done.pop(step - 2, None)
         self._errors.pop(step - 2, None)
 
-    def _finish(self, step: int, outcome: Outcome[Any]) -> None:
-        # On the loop, as a callback: an error waits for the devices' next wait instead of raising here.
+    def _finish(self, step: int, reports: list[StepApplied], outcome: Outcome[Any]) -> None:
+        # On the loop, as a callback: an error waits for the devices' gathered() instead of raising here.
         try:
             if outcome.error is not None:
                 self._errors[step] = outcome.error
-                with self._changed:
-                    if self._wanted == step and self._broken is None:
-                        self._broken = outcome.error  # the thread never ran it (stopped): the hooks stop waiting
-                    self._changed.notify_all()
                 return
             fingerprints = outcome.value or {}
-            for device in sorted(fingerprints):
-                if self._fingerprint is not None:
-                    self._fingerprint(step, device, fingerprints[device])
-        except Exception as error:  # noqa: BLE001 - ReplicasDiverged, raised by the devices' next wait
+            for report in reports:
+                if self._fingerprint is not None and report.device in fingerprints:
+                    self._fingerprint(step, report.device, fingerprints[report.device])
+            if self._session is not None:
+                for report in reports:
+                    self._session.try_post(report)
+        except Exception as error:  # noqa: BLE001 - ReplicasDiverged, reported by the devices
             self._errors[step] = error
         finally:
             self._done.setdefault(step, anyio.Event()).set()
@@ -629,25 +452,15 @@ class ShardedStep:
     # -- in the communication thread, after every local device applied ---------------
 
     def _gather(self, step: int) -> dict[int, float]:
-        try:
-            return self._gather_buckets(step)
-        except BaseException as error:
-            with self._changed:
-                self._broken = error
-                self._changed.notify_all()
-            raise
-
-    def _gather_buckets(self, step: int) -> dict[int, float]:
         if self._collective is None or self._streams is None:
             raise RuntimeError("ShardedStep used before bind()")
+        if self._abort is not None and self._abort.is_set():
+            raise FitAborted
         streams = self._streams
         cuda = streams if isinstance(streams, CudaStreamSync) else None
         if cuda is not None:
-            for device, event in enumerate(self._start_events):
-                cuda.comm_cuda_stream(device).wait_event(event)
-        for bucket in self.gather_order:
-            if self._abort is not None and self._abort.is_set():
-                raise FitAborted
+            _order_after(cuda, compute_first=True)
+        for bucket in range(len(self.plan.buckets)):
             scratches = [self._scratch_for(device, bucket) for device in range(self.local_devices)]
             nbytes = scratches[0].numel() * scratches[0].element_size()
             with self._trace.span("all_gather", step, bucket=bucket, nbytes=nbytes) if self._trace else _Nothing():
@@ -658,14 +471,8 @@ class ShardedStep:
                 for shard, scratch in zip(self.shards, scratches):
                     with _on_comm(cuda, shard.index):
                         shard.unpack(bucket, scratch)
-            events = [] if cuda is None else _recorded([cuda.comm_cuda_stream(d) for d in range(cuda.num_devices)])
-            with self._changed:
-                self._bucket_events[bucket] = events
-                self._through[bucket] = step
-                self._moved_at = time.monotonic()
-                self._changed.notify_all()
-        with self._changed:
-            self._complete = step
+        if cuda is not None:
+            _order_after(cuda, compute_first=False)
         every = self._check_every
         if every is None or (step + 1) % every != 0:
             return {}
@@ -686,27 +493,6 @@ class ShardedStep:
         return scratch[: plan.numel]
 
 
-_ABORT_POLL_S = 0.05
-
-
-def _not_told(waiting: bool) -> None:
-    pass
-
-
-def _own_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    """``module``'s parameters, and those of the children it reads itself: children without a forward of their own
-    (``nn.ParameterList``, ``nn.ParameterDict``), which are never called, so their hooks would never wait."""
-    yield from module.parameters(recurse=False)
-    for child in module.children():
-        if type(child).forward is nn.Module.forward:
-            yield from _own_parameters(child)
-
-
-def _compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)``'s wrapper, or a module compiled in place (``module.compile()``)."""
-    return hasattr(module, "_orig_mod") or getattr(module, "_compiled_call_impl", None) is not None
-
-
 def _on_comm(streams: CudaStreamSync | None, device: int) -> Any:
     if streams is None:
         return _Nothing()
@@ -721,11 +507,13 @@ class _Nothing:
         return None
 
 
-def _recorded(streams: Sequence[torch.cuda.Stream]) -> list[torch.cuda.Event]:
-    """A CUDA event recorded on each of ``streams`` now."""
-    events = []
-    for stream in streams:
+def _order_after(streams: CudaStreamSync, *, compute_first: bool) -> None:
+    """CUDA: the all-gather's copies wait for each device's optimizer step (compute stream), and the next step's
+    forward waits for the all-gather (comm stream)."""
+    for device in range(streams.num_devices):
+        compute, comm = streams.compute_cuda_stream(device), streams.comm_cuda_stream(device)
+        source, target = (compute, comm) if compute_first else (comm, compute)
         event = torch.cuda.Event()
-        event.record(stream)
-        events.append(event)
-    return events
+        event.record(source)
+        target.wait_event(event)
+

@@ -88,11 +88,6 @@ class ReplicaUpdate:
 
     def apply(self, synced: StepSynced) -> tuple[StepApplied, float | None]:
         """The optimizer step; and the replica's fingerprint when this step's replicas are compared."""
-        sharding = self._context.sharding
-        if self.shard is not None and sharding is not None:
-            # The last step's all-gather read this device's slices: done (the actor awaited it), and with CUDA the
-            # step's kernels follow its copies.
-            sharding.wait_whole(self.index)
         self._context.streams.before_apply(self.index)
         lrs = self._learning_rates()
         with self._enter("optimizer"):
