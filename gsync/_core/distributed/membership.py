@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import ConfigError
-from .waiting import GROUP_TYPES, broadcast_from, wait_work
+from .waiting import GROUP_TYPES, broadcast_from, release_settled, wait_work
 
 __all__ = ("GroupMembership", "join", "should_use_distributed")
 
@@ -101,6 +101,7 @@ class GroupMembership:
         self._closed = True
         if self.created and dist.is_initialized():
             dist.destroy_process_group(self.group)
+        release_settled()
 
 
 def _default_store_for(group: dist.ProcessGroup) -> dist.Store:

@@ -16,11 +16,22 @@ gloo's to finish or fail in its own threads; no gsync thread is inside it.
 NCCL waits are stream-ordered (``wait()`` returns at once and makes the
 current stream wait), and a timed wait would block the host until the GPU is
 done, so those are left as they are.
+
+The same abort has a second way in: gloo's worker thread marks a work
+completed, and only then drops its own reference to it. If the waiting thread
+dropped the last Python one first, gloo's thread frees the work's tensors,
+which have Python objects, so it must take the GIL; a process that exits
+right after its last collective (a rank returning its result) is finalizing
+by then, and aborts. So every work waited on here is kept (:data:`_SETTLING`,
+the last few) and freed by a Python thread, long after gloo let go of it: as
+newer works push it out, or when a group is closed (:func:`release_settled`;
+a work keeps its group's threads alive).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -28,7 +39,7 @@ import torch.distributed as dist
 
 from ..threads import FitAborted
 
-__all__ = ("GROUP_TYPES", "WAIT_SLICE", "broadcast_from", "wait_work")
+__all__ = ("GROUP_TYPES", "WAIT_SLICE", "broadcast_from", "release_settled", "wait_work")
 
 # What gsync takes as a group: a registered ProcessGroup, or a bare backend built on a store (an elastic run's
 # generations are; NCCL only where torch was built with it).
@@ -38,6 +49,9 @@ GROUP_TYPES: tuple[type, ...] = (dist.ProcessGroup, dist.ProcessGroupGloo) + (
 
 WAIT_SLICE = timedelta(milliseconds=50)
 """How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""
+
+_SETTLING: deque[dist.Work] = deque(maxlen=16)
+"""The last works waited on, kept so that gloo's worker thread never drops the last reference to one (see above)."""
 
 
 def wait_work(work: dist.Work, abort: threading.Event | None, *, blocking: bool = True) -> None:
@@ -49,6 +63,7 @@ def wait_work(work: dist.Work, abort: threading.Event | None, *, blocking: bool 
     :raises FitAborted: when ``abort`` is set before the work completes.
     :raises RuntimeError: (from torch.distributed) when the work itself failed.
     """
+    _SETTLING.append(work)
     if abort is None or not blocking:
         work.wait()
         return
@@ -64,6 +79,11 @@ def wait_work(work: dist.Work, abort: threading.Event | None, *, blocking: bool 
                 break
     # Completed: returns at once, or raises the work's own error.
     work.wait()
+
+
+def release_settled() -> None:
+    """Free the works kept since they were waited on (a group is being closed: they keep its threads alive)."""
+    _SETTLING.clear()
 
 
 def broadcast_from(tensor: torch.Tensor, group: dist.ProcessGroup, root: int = 0) -> dist.Work:
