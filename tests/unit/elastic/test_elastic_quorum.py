@@ -231,14 +231,20 @@ class StandInNccl:
         self.aborted += 1
 
 
-@pytest.mark.timeout(60)
-def test_an_nccl_generation_aborts_its_communicator_before_the_session_hears_of_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    # NCCL waits on a dead peer for ever: the communicator is aborted the moment a change is known, once.
+def on_stand_in_nccl(monkeypatch: pytest.MonkeyPatch) -> tuple[dist.TCPStore, list[ElasticRun]]:
+    """A store server (keep it referenced) and 2 started members whose generation's group is a StandInNccl."""
     monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNccl, raising=False)
     server = store_server()
     runs = started(server, 2, gsync.Elastic(answer_within=5.0))
     for run in runs:
         run.current = dataclasses.replace(run.current, group=StandInNccl())
+    return server, runs
+
+
+@pytest.mark.timeout(60)
+def test_an_nccl_generation_aborts_its_communicator_before_the_session_hears_of_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NCCL waits on a dead peer for ever: the communicator is aborted the moment a change is known, once.
+    server, runs = on_stand_in_nccl(monkeypatch)
     heard: list[int] = []
     watched = runs[1].current
     planned: list[int | None] = []
@@ -267,11 +273,7 @@ def test_a_change_planned_in_a_steps_agreement_lets_the_others_finish_that_step(
     # A departure (or a knock) agreed in step 6's agreement: the member that begins the change is past that step,
     # and so is every collective of it. A member still applying step 6 is told which step, and finishes it
     # (its communicator is not aborted under it) instead of giving it up to be redone.
-    monkeypatch.setattr(dist, "ProcessGroupNCCL", StandInNccl, raising=False)
-    server = store_server()
-    runs = started(server, 2, gsync.Elastic(answer_within=5.0))
-    for run in runs:
-        run.current = dataclasses.replace(run.current, group=StandInNccl())
+    server, runs = on_stand_in_nccl(monkeypatch)
     watched = runs[1].current
     told: list[int | None] = []
     heard = threading.Event()
