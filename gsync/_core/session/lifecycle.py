@@ -371,16 +371,14 @@ class SessionLife(SessionPeers):
         running statistics on); otherwise the failure's checkpoint; ``None``
         when there is neither. ``finish`` completes a checkpoint taken of it.
         """
+        taken = getattr(self._failure, "checkpoint", None)
         step = self._whole_step()
         if step is None:
-            checkpoint = getattr(self._failure, "checkpoint", None)
-            return None if checkpoint is None else HeldState.of(finish(checkpoint))
+            return None if taken is None else HeldState.of(finish(taken))
         buffers = _built(self._buffers)
         snapshot = None if buffers.empty else buffers.restore(step)
         first = self._actors[0]
         replicas = [Replica(a.replica, a.optimizer, a.scheduler, a.scaler) for a in self._actors]
-
-        taken = getattr(self._failure, "checkpoint", None)
 
         def capture() -> Checkpoint:
             if isinstance(taken, Checkpoint) and taken.step == step:
