@@ -328,7 +328,10 @@ class Session:
         before any batch is read; a membership change due before the call is
         made first, and one that interrupts it redoes the evaluation over the
         new membership from its first batch (a one-shot iterator, whose
-        batches are gone, raises the loss instead).
+        batches are gone, raises the loss instead, once the change is made).
+        A rank whose peer completed the evaluation before the change returns
+        that peer's result instead of redoing it, so every rank returns the
+        same metrics and goes on to the same next call.
 
         :raises ~gsync.InputTypeError: for ``data`` that is not an iterable of batches, or a ``metric_fn`` that
             is not callable (before any work, the session stays open).
@@ -342,7 +345,7 @@ class Session:
             try:
                 # Over a membership change the evaluation is redone from its first batch, if data can be read again.
                 return await self._service.carried(
-                    lambda core: core.evaluate(data, metric_fn=metric_fn), redoable=_iterable_again(data)
+                    lambda core: core.evaluate(data, metric_fn=metric_fn), "evaluate", redoable=_iterable_again(data)
                 )
             except BaseException as error:
                 await self._closed_by(error)
@@ -365,7 +368,8 @@ class Session:
         for :meth:`step`; a failure settled while no call ran is raised
         first; a membership change due before the call is made first, and
         one that interrupts it redoes the reduction over the new membership
-        (every survivor redoes it with its value).
+        (every survivor redoes it with its value), unless a peer completed it
+        before the change: then every rank returns that peer's result.
 
         :raises ~gsync.ConfigError: for an unknown ``op`` or a closed session.
         :raises ~gsync.InputTypeError: for a value that is neither a number nor a tensor.
@@ -373,7 +377,10 @@ class Session:
         self._check_call()
         with cancellation_kept(_CALL_CANCELLED):
             try:
-                return await self._service.carried(lambda core: core.all_reduce(value, op))
+                reduced = await self._service.carried(lambda core: core.all_reduce(value, op), "all_reduce")
+                if isinstance(value, torch.Tensor) and isinstance(reduced, torch.Tensor):
+                    return reduced.to(value.device)  # a result handed over by a peer after a change arrives on the CPU
+                return reduced
             except BaseException as error:
                 await self._closed_by(error)
                 raise

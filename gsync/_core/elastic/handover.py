@@ -5,14 +5,17 @@ collective of step ``n`` completed applied it; one whose collective failed
 did not), and a joiner has no state at all. Every member says the last step
 it applied; the first member with the highest sends its checkpoint
 (parameters, buffers, optimizer, scheduler, scaler, random generators, step,
-data position) as bytes over the group, and every other member starts from
-it. A generation whose members all hold the same step sends nothing, and
-copies nothing: each member goes on with the state it holds (a
+data position) as bytes over the group, and every member behind starts from
+it. A member as advanced, and every member of a generation whose members all
+hold the same step, copies nothing: it goes on with the state it holds (a
 :class:`~gsync._core.state.held.HeldState`, its replicas themselves), whose
-checkpoint is taken only by the member that sends it.
+checkpoint is taken only by the member that sends it. Members at the same
+step may differ by one evaluation or all_reduce: its result is sent the same
+way (:mod:`~gsync._core.elastic.carry`).
 
 The bytes are a checkpoint file's (:meth:`gsync.Checkpoint.save`), read as
-the file is read: ``torch.load(weights_only=True)``, which builds tensors and
+the file is read (a result, its values ``torch.save``\\ d, is read the same way):
+``torch.load(weights_only=True)``, which builds tensors and
 plain values and refuses anything else. The store the members meet on is not
 authenticated (torch.distributed's model), so a process that can reach it can
 knock, be taken in and claim the highest step; what it sends can then be
@@ -31,34 +34,45 @@ from ...checkpoint import _FORMAT, _VERSION, Checkpoint, _fields, _payload
 from ...errors import CheckpointError
 from ..distributed.waiting import broadcast_from, wait_work
 from ..state.held import HeldState
+from .carry import OperationLog
 
 __all__ = ("agree_state", "decode_state", "encode_state")
 
 _NO_STATE = -2  # a joiner's last step: it holds nothing
 
 
-def agree_state(group: dist.ProcessGroup, mine: HeldState | None, abort: threading.Event) -> HeldState | None:
+def agree_state(
+    group: dist.ProcessGroup, mine: HeldState | None, abort: threading.Event, operations: OperationLog | None = None
+) -> HeldState | None:
     """The state every member of ``group`` starts from (``mine`` itself when it is as advanced as any); ``None``
     when no member holds one. Collective.
 
     No member holds state when one was lost while the run's first session
     opened: every member then starts from the initial state, as the launch did.
 
+    ``operations``: this member's evaluations and all_reduces since its last
+    step; one that another member completed and this one did not is handed
+    over into it (see :mod:`~gsync._core.elastic.carry`).
+
     :raises ~gsync.CheckpointError: when what the sending member sent is not
         a checkpoint that loads without running code (nothing of it is run).
     :raises RuntimeError: (from gloo) when a member is lost meanwhile.
     """
     rank, size = group.rank(), group.size()
-    step = torch.tensor([_NO_STATE if mine is None else mine.step], dtype=torch.int64)
-    gathered = [torch.empty_like(step) for _ in range(size)]
-    wait_work(dist.all_gather(gathered, step, group=group, async_op=True), abort)
-    steps = [int(value.item()) for value in gathered]
-    best = max(steps)
-    if best == _NO_STATE:
+    step = _NO_STATE if mine is None else mine.step
+    done = 0 if mine is None or operations is None else operations.position(mine.step)
+    position = torch.tensor([step, done], dtype=torch.int64)
+    gathered = [torch.empty_like(position) for _ in range(size)]
+    wait_work(dist.all_gather(gathered, position, group=group, async_op=True), abort)
+    positions = [(int(value[0].item()), int(value[1].item())) for value in gathered]
+    best = max(positions)
+    if best[0] == _NO_STATE:
         return None
-    if all(value == best for value in steps) and mine is not None:
+    source = positions.index(best)  # the most advanced step, and the most operations after it
+    if best[1] > 0 and any(other < best for other in positions):
+        _hand_result(group, source, best, operations, abort)
+    if all(other[0] == best[0] for other in positions) and mine is not None:
         return mine
-    source = steps.index(best)  # it holds state: its step is not _NO_STATE
     length = torch.empty(1, dtype=torch.int64)
     if rank == source and mine is not None:
         data = torch.frombuffer(bytearray(encode_state(mine.checkpoint())), dtype=torch.uint8)
@@ -66,15 +80,54 @@ def agree_state(group: dist.ProcessGroup, mine: HeldState | None, abort: threadi
         wait_work(broadcast_from(length, group, source), abort)
         wait_work(broadcast_from(data, group, source), abort)
         return mine
-    wait_work(broadcast_from(length, group, source), abort)
     what = f"the state sent by the new membership's rank {source}"
+    received = _receive(group, source, length, what, abort)
+    if mine is not None and mine.step == best[0]:
+        # As advanced as the sender (a joiner or a member behind needed its state): this member's own replicas go
+        # on, as they would had nobody needed it.
+        return mine
+    return HeldState.of(decode_state(received, what))
+
+
+def _hand_result(
+    group: dist.ProcessGroup, source: int, best: tuple[int, int], operations: OperationLog | None, abort: threading.Event
+) -> None:
+    """The result of operation ``best[1]`` after step ``best[0]``, from ``source`` into every member's log."""
+    after, number = best
+    length = torch.empty(1, dtype=torch.int64)
+    what = f"the result of an operation sent by the new membership's rank {source}"
+    if group.rank() == source:
+        if operations is None:
+            raise RuntimeError("a member ahead by an operation holds no log of it")
+        kind, result = operations.last(after)
+        buffer = io.BytesIO()
+        torch.save({"kind": kind, "result": result}, buffer)
+        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        length.fill_(data.numel())
+        wait_work(broadcast_from(length, group, source), abort)
+        wait_work(broadcast_from(data, group, source), abort)
+        return
+    received = _receive(group, source, length, what, abort)
+    try:
+        payload = torch.load(io.BytesIO(received), map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - an unpickler refusing, or garbage: all sorts
+        raise CheckpointError(f"{what} was refused: it does not load without running code ({error})") from error
+    if not isinstance(payload, dict) or not isinstance(payload.get("kind"), str) or "result" not in payload:
+        raise CheckpointError(f"{what} was refused: it is not an operation's result")
+    if operations is not None:
+        operations.hand(after, number, payload["kind"], payload["result"])
+
+
+def _receive(group: dist.ProcessGroup, source: int, length: torch.Tensor, what: str, abort: threading.Event) -> bytearray:
+    """The bytes ``source`` broadcasts, after their length."""
+    wait_work(broadcast_from(length, group, source), abort)
     nbytes = int(length.item())
     if nbytes <= 0:
         raise CheckpointError(f"{what} was refused: it announced {nbytes} bytes")
     # Received straight into the bytes that are then read: the tensor is a view of them.
     received = bytearray(nbytes)
     wait_work(broadcast_from(torch.frombuffer(received, dtype=torch.uint8), group, source), abort)
-    return HeldState.of(decode_state(received, what))
+    return received
 
 
 def encode_state(checkpoint: Checkpoint) -> bytes:

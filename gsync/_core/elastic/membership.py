@@ -27,6 +27,7 @@ from ...checkpoint import Checkpoint
 from ...elastic import Elastic, MembershipChange
 from ...errors import CheckpointError, ConfigError, LostRank, PeerLost
 from ..distributed.membership import create_store, env_int
+from .carry import OperationLog
 from .handover import agree_state
 from ..state.held import HeldState
 from ..state.replicas import import_optimizer_machinery
@@ -58,6 +59,9 @@ class ElasticMembership:
         """This process left the run on purpose (SIGTERM)."""
         self.abort = threading.Event()
         """Set to leave a rendezvous or a wait for admission (the session is being closed)."""
+        self.operations = OperationLog()
+        """This process's evaluations and all_reduces since its last step: a change hands a member that must
+        redo one the result the others hold (see :mod:`~gsync._core.elastic.carry`)."""
 
     @property
     def generation(self) -> Generation:
@@ -85,7 +89,7 @@ class ElasticMembership:
         generation = self.run.enter(self.abort)
         if generation.number == 0:
             return generation, None if resume is None else HeldState.of(resume), False
-        state = agree_state(generation.host, None, self.abort)
+        state = agree_state(generation.host, None, self.abort, self.operations)
         self._record(generation.decision, 0 if state is None else state.next_step)
         return generation, state, state is not None
 
@@ -156,7 +160,7 @@ class ElasticMembership:
             and changing again would only be sent the same again.
         """
         try:
-            return agree_state(generation.host, mine, self.abort)
+            return agree_state(generation.host, mine, self.abort, self.operations)
         except CheckpointError as refused:
             refused.checkpoint = None if mine is None else mine.checkpoint()
             refused.last_step = None if mine is None else mine.step

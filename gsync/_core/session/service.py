@@ -329,21 +329,38 @@ class SessionService:
         """The elastic run's membership changes so far (none outside an elastic run)."""
         return () if self.elastic is None else tuple(self.elastic.changes)
 
-    async def carried(self, operation: Callable[[SessionCore], Awaitable[_T]], *, redoable: bool = True) -> _T:
-        """Run ``operation`` on the serving core; in an elastic run, redone over the next membership if one
-        interrupts it (every survivor redoes it: the ranks' n-th operations still meet), unless not ``redoable``
-        (an evaluation over a one-shot iterator, whose batches are gone).
+    async def carried(
+        self, operation: Callable[[SessionCore], Awaitable[_T]], kind: str, *, redoable: bool = True
+    ) -> _T:
+        """Run ``operation`` (an evaluation or all_reduce, named by ``kind``) on the serving core; in an elastic
+        run, redone over the next membership if one interrupts it (every survivor redoes it: the ranks' n-th
+        operations still meet), unless not ``redoable`` (an evaluation over a one-shot iterator, whose batches
+        are gone: the interruption is raised once the change is made). A survivor whose peer completed it before
+        the change takes that peer's result instead, redoable or not (see :mod:`~gsync._core.elastic.carry`).
         """
         core = await self.serving_core()
-        if self.elastic is None:
+        elastic = self.elastic
+        if elastic is None:
             return await operation(core)
+        log = elastic.operations
+        interrupted: GsyncError | None = None
         while True:
-            try:
-                return await operation(core)
-            except GsyncError as error:
-                if not (redoable and recoverable(error)):
-                    raise
-            core = await self.current_core(core)
+            after = core.next_step - 1
+            handed, result = log.take(after, kind)
+            if not handed:
+                if interrupted is not None:
+                    raise interrupted  # not to be redone, and no peer completed it
+                try:
+                    result = await operation(core)
+                except GsyncError as error:
+                    if not recoverable(error):
+                        raise
+                    if not redoable:
+                        interrupted = error
+                    core = await self.current_core(core)
+                    continue
+            log.completed(after, kind, result)
+            return result  # type: ignore[no-any-return]
 
     async def step(
         self,

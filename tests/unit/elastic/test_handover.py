@@ -22,6 +22,7 @@ from torch import nn
 
 import gsync
 from gsync._core.elastic import handover
+from gsync._core.elastic.carry import OperationLog
 from gsync._core.elastic.handover import agree_state, decode_state, encode_state
 from gsync._core.state.held import HeldState
 from gsync._core.state.rng import capture_rng
@@ -199,7 +200,7 @@ def test_a_member_sent_state_that_would_run_code_refuses_it_with_a_checkpoint_er
 def test_a_refused_state_ends_the_change_with_this_ranks_own_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
     from gsync._core.elastic import membership
 
-    def refused(group: object, mine: object, abort: object) -> None:
+    def refused(group: object, mine: object, abort: object, operations: object) -> None:
         raise gsync.CheckpointError("the state sent by the new membership's rank 0 was refused: ...")
 
     monkeypatch.setenv("RANK", "1")
@@ -211,3 +212,66 @@ def test_a_refused_state_ends_the_change_with_this_ranks_own_checkpoint(monkeypa
     with pytest.raises(gsync.CheckpointError) as raised:
         elastic._agree_state(SimpleNamespace(host=None), HeldState.of(mine))  # type: ignore[arg-type]  # only its host group is read
     assert raised.value.checkpoint is mine and raised.value.last_step == 4
+
+
+def log_after(step: int, results: list[tuple[str, Any]]) -> OperationLog:
+    """A member's log: ``results``' operations completed, in order, after step ``step``."""
+    log = OperationLog()
+    for kind, result in results:
+        log.completed(step, kind, result)
+    return log
+
+
+@pytest.mark.timeout(60)
+def test_a_member_whose_last_operation_was_interrupted_is_handed_the_result_the_member_that_completed_it_holds() -> None:
+    _server, groups = gloo_groups(3)
+    # After step 5 member 0 completed two evaluations; member 1's second was interrupted by the change; member 2
+    # applied only step 4 (it is sent the state, and the result of the operation it will reach after it).
+    metrics = {"loss": 0.25, "accuracy": 0.75}
+    logs = [
+        log_after(5, [("evaluate", {"loss": 0.5}), ("evaluate", metrics)]),
+        log_after(5, [("evaluate", {"loss": 0.5})]),
+        log_after(4, [("all_reduce", 3.0)]),
+    ]
+    held = [HeldState.of(trained_checkpoint(5)), HeldState.of(trained_checkpoint(5)), HeldState.of(trained_checkpoint(4))]
+    abort = threading.Event()
+    with ThreadPoolExecutor(3) as pool:
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, args[2]), zip(groups, held, logs)))
+    assert agreed[0] is held[0] and agreed[1] is held[1]
+    assert agreed[2] is not None and agreed[2].step == 5
+    # Member 1's redo of its second evaluation after step 5 returns member 0's metrics, and runs nothing.
+    assert logs[1].take(5, "evaluate") == (True, metrics)
+    # Member 2 first redoes step 5 (already applied in the state it was sent), then reaches the evaluations.
+    assert logs[2].take(5, "evaluate") == (False, None)  # its first is not the one handed over: it runs it
+    logs[2].completed(5, "evaluate", {"loss": 0.5})
+    assert logs[2].take(5, "evaluate") == (True, metrics)
+    # Member 0 holds the result itself: nothing is handed to it.
+    assert logs[0].take(5, "evaluate") == (False, None)
+
+
+@pytest.mark.timeout(60)
+def test_members_whose_loops_are_at_the_same_operation_exchange_nothing_but_their_positions() -> None:
+    _server, groups = gloo_groups(2)
+    logs = [log_after(6, [("all_reduce", 1.0)]), log_after(6, [("all_reduce", 1.0)])]
+    held = [HeldState.of(trained_checkpoint(6)), HeldState.of(trained_checkpoint(6))]
+    abort = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, args[2]), zip(groups, held, logs)))
+    assert agreed == held
+    assert [log.take(6, "all_reduce") for log in logs] == [(False, None), (False, None)]
+
+
+@pytest.mark.timeout(60)
+def test_a_result_handed_over_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    _server, groups = gloo_groups(2)
+    marker = tmp_path / "ran"
+    logs = [log_after(3, [("all_reduce", Exploit(marker))]), OperationLog()]
+    held = [HeldState.of(trained_checkpoint(3)), HeldState.of(trained_checkpoint(3))]
+    abort = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        sender = pool.submit(agree_state, groups[0], held[0], abort, logs[0])
+        receiver = pool.submit(agree_state, groups[1], held[1], abort, logs[1])
+        assert sender.result(timeout=30) is held[0]
+        with pytest.raises(gsync.CheckpointError, match="the result of an operation sent by the new membership's rank 0 was refused"):
+            receiver.result(timeout=30)
+    assert not marker.exists()
