@@ -175,7 +175,7 @@ async def _seen_during_a_stall(device: int, site: str) -> tuple[Whereabouts, dic
             async with anyio.create_task_group() as group:
                 group.start_soon(session.step, second)
                 assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
-                where = session._core._whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
+                where = session._core._peers.whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
                 flags = {actor.name: (actor.queued, actor.waiting) for actor in session._core._actors}  # noqa: SLF001
                 group.cancel_scope.cancel()
     return where, flags

@@ -295,7 +295,7 @@ async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
 
     class StaleDeadlines:
         def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
-            box = session._core._server_mailbox  # type: ignore[attr-defined]
+            box = session._core._parts.server_mailbox  # type: ignore[attr-defined]
             server_box[:] = [box]
             box.post(StepDeadline(result.step))
 

@@ -169,6 +169,9 @@ def test_the_killed_rank_started_again_rejoins_and_all_three_end_equal() -> None
     for name in ("0", "2"):
         changes = outcomes[name]["membership"]
         assert [(c[1], c[2], c[3]) for c in changes] == [((1,), (), 2), ((), (1,), 3)], changes
+        # The survivors went on with their own replicas through both changes: the joiner was sent the state, and
+        # the survivor that did not send it kept its own instead of loading what was sent.
+        assert len(set(outcomes[name]["optimizer_ids"])) == 1, outcomes[name]["optimizer_ids"]
     joiner = outcomes[again]
     assert joiner["first_step"] == joiner["membership"][0][0] > 7
     assert joiner["world_sizes"] == [3] * len(joiner["world_sizes"])

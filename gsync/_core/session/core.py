@@ -1,21 +1,20 @@
-"""The session's core: what one open session holds and does, from its start to its teardown.
+"""The session's core: what one open session holds, and the calls its user makes.
 
 :class:`SessionCore` is the engine room behind the public
-:class:`gsync.Session` handle: it starts the session (replicas, actors,
-server, threads, the process group), runs its operations (a step, an
-evaluation, an all_reduce, a checkpoint) and turns whatever fails into one
-error with a checkpoint. It extends
-:class:`~gsync._core.session.operations.SessionOperations` (what every
-operation goes through; evaluate and all_reduce) and
-:class:`~gsync._core.session.lifecycle.SessionLife` (starting, serving,
-failing, closing) with the step and what the handle reads.
-:func:`open_session` is its life as one anyio task
-group; :mod:`gsync._core.session.service` runs that life in a task of its own, so
-that the handle can be used from any task of the loop.
+:class:`gsync.Session` handle. It holds the session's progress (the next
+step, the replicas' snapshot) and runs its calls (a step, an evaluation, an
+all_reduce, a checkpoint), each through its :class:`~gsync._core.session.calls.CallGate`.
+It owns three parts, each with one job:
 
-A failure raised to a caller of an operation is *delivered*; one settled
-while no operation runs (a peer lost between steps, a late device error) is
-kept as :attr:`SessionCore.undelivered` until a call or the close raises it.
+- its :class:`~gsync._core.session.lifecycle.SessionLife`: the lifecycle, the start,
+  serving, a failure settled into one error, and the end;
+- the :class:`~gsync._core.session.workers.SessionWorkers` its life drives: actors,
+  sync server, threads;
+- its :class:`~gsync._core.session.peers.PeerLink`: the other ranks.
+
+:func:`open_session` is its life as one anyio task group;
+:mod:`gsync._core.session.service` runs that in a task of its own, so that
+the handle can be used from any task of the loop.
 """
 
 from __future__ import annotations
@@ -26,51 +25,39 @@ import logging
 import math
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 import torch
 from torch import nn
 
-from ..threads import LoopEvent, LoopHandle, WorkerThread
-from ..step.actor import DeviceActor
-from ..data.batches import batch_rows
-from ..gradients.buffers import BufferSync
 from ...checkpoint import Checkpoint
-from ...comm.base import Collective
-from ..step.context import ActorContext, Recipe, Shard
-from ..distributed import FailureReport, peer_failed
+from ...errors import CheckpointError, ConfigError, GsyncError, InputTypeError, MailboxClosed, SessionClosed, SyncFailed
+from ...result import FitStats, StepResult
+from ...trace import Trace
+from ..data.batches import batch_rows, shard_rows, split_batch
+from ..data.feeder import check_batch_source
+from ..distributed import peer_failed
 from ..distributed.runtime import ProcessGroupRuntime
-from ..elastic.watcher import ReformWatcher
-from ...errors import (
-    CheckpointError,
-    ConfigError,
-    GsyncError,
-    LostRank,
-    MailboxClosed,
-    SessionClosed,
-    SyncFailed,
-)
-from ..step.mailbox import Mailbox
-from ..step.messages import ServerMessage, SessionMessage, StepApplied, StepDispatched, StepLoss
-from .outcome import raised_by_block
-from .sharded_checkpoint import gather_whole_state
-from .state import Lifecycle, SessionState
-from .lifecycle import _built
-from .operations import ReduceOp, SessionOperations
-from ..gradients.rebuild import PlanRebuild
 from ..state.held import HeldState
 from ..state.rng import capture_rng, restore_rng
-from ...result import FitStats, StepResult
-from ..step.server import SyncServer
-from ..streams import StreamSync
+from ..step.actor import DeviceActor, MetricFn
+from ..step.context import Recipe, Shard
+from ..step.messages import StepApplied, StepDispatched, StepLoss
+from ..threads import LoopEvent, LoopHandle
 from ..topology import Topology
-from ...trace import Trace
 from ..trace_files import finish_trace
+from .assembly import Assembly
+from .calls import CallGate
+from .lifecycle import SessionLife
+from .operations import ReduceOp, local_metric_sums, reduced_as
+from .outcome import first_failure, raised_by_block
+from .peers import PeerLink
+from .sharded_checkpoint import gather_whole_state
+from .state import SessionState
 
 if TYPE_CHECKING:
     from ..elastic.membership import ElasticMembership
@@ -81,8 +68,8 @@ __all__ = ("ReduceOp", "SessionCore", "open_session")
 logger = logging.getLogger("gsync")
 
 
-class SessionCore(SessionOperations):
-    """One open session's state and operations; users reach it through :class:`gsync.Session`."""
+class SessionCore:
+    """One open session's state and calls; users reach it through :class:`gsync.Session`."""
 
     def __init__(
         self,
@@ -99,83 +86,64 @@ class SessionCore(SessionOperations):
         agreed_start: bool = False,
     ) -> None:
         self._settings = settings
-        self._elastic = elastic
-        self._watcher: ReformWatcher | None = None
-        self.change_due = False
-        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
-        self.last_applied_at: float | None = None
-        """When the last step was applied (``time.monotonic()``)."""
         self.model = model
         """The module passed in; it receives the trained weights when the block ends and the session did not fail."""
         self._recipe = recipe
         self._resume = resume
         self._process_local = bool(process_local_data)
         self.joins = settings.uneven == "join"
-        """The session's own ``uneven="join"`` (``Engine.session(uneven=...)``)."""
-        self.joining = self.joins
-        """Each step starts with every rank's rows, so a rank whose data ended joins it with empty shards
-        (``step(None)``); a fit sets it for its own steps (``fit(uneven=...)``)."""
+        """The session's own ``uneven="join"`` (``Engine.session(uneven=...)``): a :meth:`step` joins by default."""
         self.first_step = held.next_step if held is not None else 0 if resume is None else resume.next_step
         """The global index of this session's first step (> 0 when resuming)."""
-        self._held = held
-        """An elastic run's last generation's replicas, which this one goes on with (nothing copied or loaded)."""
-        self._agreed_start = agreed_start
-        """Every rank starts from a state the elastic run agreed on: no broadcast of rank 0's is needed."""
-        self._ending_for_change = False
         self._next_step = self.first_step
-        self._abort = threading.Event()
-        self._life = Lifecycle()
-        self._operations_done = 0
-        self._operation_over: LoopEvent | None = None
-        self._op_scope: anyio.CancelScope | None = None
-        self._settled = anyio.Event()
-        self._checkpoint_attempted: set[int] = set()
-        self._failure: BaseException | None = None
-        self._reported: BaseException | None = None
-        self._peer_left: FailureReport | None = None
-        # What the failure watcher and the heartbeat heard of other ranks, first news first.
-        self._peer_news: list[FailureReport | list[LostRank] | str] = []
-        self._peer_news_arrived = anyio.Event()
-        self._torn_down = False
-        self._left_behind: list[str] = []
-        self._collective_what: str | None = None
-        self.undelivered: BaseException | None = None
-        """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
-        self.end_requested = anyio.Event()
-        """Set when the session should end: closed by its user, or failed (the service then leaves the task group).
-        Set through :meth:`request_end` (or a failure), which also ends the lifecycle's serving."""
-        self.on_idle_failure = on_idle_failure
-        """Called once a failure that no operation waits for is settled (the scoped form cancels the user's block)."""
+        self.change_due = False
+        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
+        self.last_applied_at: float | None = None
+        """When the last step was applied (``time.monotonic()``)."""
         self.replay_pending = resume is not None if replay is None else replay
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
-        self._cancellation: BaseException | None = None
-        self._rng_before_resume: dict[str, Any] | None = None
+        abort = threading.Event()  # every thread of the session leaves its wait when it is set
+        self._peers = PeerLink(self, abort)
+        self._life = SessionLife(
+            settings, model, recipe, resume, self._process_local, self._peers, abort, first_step=self.first_step,
+            elastic=elastic, held=held, agreed_start=agreed_start, on_idle_failure=on_idle_failure,
+        )
+        self._calls = CallGate(self._life, self._peers, abort, settings.sync_timeout)
         self._snapshot: nn.Module | None = None
         self._snapshot_step = -1
         self._snapshot_wanted = False
-        # Built by _start; teardown copes with any prefix of them.
-        self._loop: LoopHandle | None = None
-        self._setup: WorkerThread | None = None
-        self._runtime: ProcessGroupRuntime | None = None
-        self._actors: list[DeviceActor] = []
-        self._server: SyncServer | None = None
-        self._collective: Collective | None = None
-        self._streams: StreamSync | None = None
-        self._buffers: BufferSync | None = None
-        self._rebuild: PlanRebuild | None = None
-        self._context: ActorContext | None = None
-        self._server_mailbox: Mailbox[ServerMessage] | None = None
-        self._session_mailbox: Mailbox[SessionMessage] | None = None
-        self._topology = Topology(local_devices=len(settings.devices))
-        self.trace: Trace | None = None
-        """The session's timeline, when the engine traces."""
+
+    # -- the parts, as its calls use them ---------------------------------------------------
+
+    @property
+    def _parts(self) -> Assembly:
+        return self._life.workers.parts
+
+    @property
+    def _actors(self) -> list[DeviceActor]:
+        return self._life.workers.actors
+
+    @property
+    def _topology(self) -> Topology:
+        return self._life.topology
+
+    @property
+    def life(self) -> SessionLife:
+        """The session's life (its start, serving and end; :func:`open_session` drives it)."""
+        return self._life
 
     # -- public ----------------------------------------------------------------
 
     @property
+    def trace(self) -> Trace | None:
+        """The session's timeline, when the engine traces."""
+        built = self._life.workers.built
+        return None if built is None else built.trace
+
+    @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         """The local replicas' optimizers (see :attr:`gsync.Session.optimizers`)."""
-        self._check_usable("optimizers")
+        self._calls.check_now("optimizers")
         return tuple(actor.optimizer for actor in self._actors)
 
     @property
@@ -195,19 +163,84 @@ class SessionCore(SessionOperations):
 
     @property
     def stats(self) -> FitStats:
-        server = self._server
-        if server is None:
+        built = self._life.workers.built
+        if built is None:
             return FitStats()
-        plan = server.plan
+        server, plan = built.server, built.server.plan
         return FitStats(
             steps=server.steps_synced,
             buckets=len(plan.buckets),
             bucket_ready_messages=server.bucket_ready_received,
             bucket_sizes=tuple(b.nbytes for b in plan.buckets),
             bucket_params=tuple(tuple(plan.names[p] for p in b.params) for b in plan.buckets),
-            rebuilt_buckets=self._rebuild is not None and self._rebuild.rebuilt,
+            rebuilt_buckets=built.rebuild.rebuilt,
             reduced_bytes=server.reduced_bytes,
         )
+
+    @property
+    def resume(self) -> Checkpoint | None:
+        """The checkpoint the session started from."""
+        return self._resume
+
+    @property
+    def runtime(self) -> ProcessGroupRuntime | None:
+        """The process group's side of the session, once joined (``None`` in one process)."""
+        return self._peers.runtime
+
+    @property
+    def process_local(self) -> bool:
+        """Each process feeds its own batches (``process_local_data=True``)."""
+        return self._process_local
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What closed the session, if it did not end normally."""
+        return self._life.failure
+
+    @property
+    def undelivered(self) -> BaseException | None:
+        """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
+        return self._life.undelivered
+
+    @property
+    def end_requested(self) -> anyio.Event:
+        """Set when the session should end: closed by its user, or failed (the service then leaves the task group)."""
+        return self._life.end_requested
+
+    @property
+    def state(self) -> SessionState:
+        """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`)."""
+        return self._life.state
+
+    @property
+    def usable(self) -> bool:
+        """Open and not failed: operations may run."""
+        return self._life.state in (SessionState.IDLE, SessionState.OPERATING) and self._life.failure is None
+
+    def take_undelivered(self) -> BaseException | None:
+        """The failure settled while no operation ran, once: whoever takes it raises or logs it."""
+        return self._life.take_undelivered()
+
+    def request_end(self) -> None:
+        """End the session (a close, a drop, a planned membership change): no call starts from now on."""
+        self._life.request_end()
+
+    def end_for_change(self) -> None:
+        """End the session for a membership change every rank agreed on: the next generation goes on with its
+        replicas (:meth:`hold`), so the model passed in is not written back."""
+        self._life.end_for_change()
+
+    def hold(self, finish: Callable[[Checkpoint], Checkpoint]) -> HeldState | None:
+        """Once the session has ended: the state it leaves an elastic run's next generation (see :meth:`SessionLife.hold`)."""
+        return self._life.hold(finish)
+
+    def cancelled(self, cancellation: BaseException) -> None:
+        """A call was cancelled: the session closes, and peers are told of the cancellation."""
+        self._calls.cancelled(cancellation)
+
+    def close_operation(self, reason: str) -> None:
+        """End the call in flight with :class:`~gsync.SessionClosed` (``reason``), closing the session as failed."""
+        self._calls.close_call(reason)
 
     def checkpoint(self) -> Checkpoint:
         """The consistent state as of the last step, copied to the CPU (see :meth:`gsync.Session.checkpoint`).
@@ -220,27 +253,27 @@ class SessionCore(SessionOperations):
 
         :raises ~gsync.CheckpointError: when the ranks' optimizer states do not make a whole one.
         """
-        self._check_usable("checkpoint")
+        self._calls.check_now("checkpoint")
         actor = self._actors[0]
-        sharding = _built(self._context).sharding
-        runtime = self._runtime
+        sharding = self._parts.context.sharding
+        runtime = self._peers.runtime
         whole: dict[int, dict[str, Any]] | None = None
         if sharding is not None and runtime is not None:
-            left = self._peer_left
-            if left is not None and self._operations_done >= left.operations:
-                raise self._fail(peer_failed(left))
-            self._collective_what = "checkpoint"  # the heartbeat says this rank waits in a collective
+            left = self._peers.departed_before(self._calls.done)
+            if left is not None:
+                raise self._life.fail(peer_failed(left))
+            self._peers.waiting("checkpoint")  # the heartbeat says this rank waits in a collective
             try:
-                whole = gather_whole_state(sharding, runtime, self._setup, self._next_step - 1)
+                whole = gather_whole_state(sharding, runtime, self._peers.setup, self._next_step - 1)
             except CheckpointError:
-                self._collective_what = None
-                self._operations_done += 1  # every rank took part, and raises it
+                self._peers.waiting(None)
+                self._calls.counted()  # every rank took part, and raises it
                 raise
             except GsyncError as error:
                 # The ranks' collectives no longer match: the session fails, as after a failed all_reduce.
-                raise self._fail(error)
-            self._collective_what = None
-            self._operations_done += 1
+                raise self._life.fail(error)
+            self._peers.waiting(None)
+            self._calls.counted()
         # The optimizer's state_dict() is the gathered whole state while it is held.
         with sharding.holding(whole) if sharding is not None and whole is not None else contextlib.nullcontext():
             checkpoint = Checkpoint.capture(
@@ -252,8 +285,8 @@ class SessionCore(SessionOperations):
     @property
     def checkpoint_gathers(self) -> bool:
         """A ``shard_optimizer=True`` run across processes: :meth:`checkpoint` is a collective every rank takes."""
-        context = self._context
-        return self.world_size > 1 and context is not None and context.sharding is not None
+        built = self._life.workers.built
+        return self.world_size > 1 and built is not None and built.context.sharding is not None
 
     def generators(self) -> dict[str, Any] | None:
         """The global random generators' state as a checkpoint keeps it (``None`` across processes)."""
@@ -266,14 +299,17 @@ class SessionCore(SessionOperations):
 
     # -- the step ----------------------------------------------------------------
 
-    async def step(self, batches: Sequence[Any], last: bool) -> StepResult:
-        """One optimizer step over ``batches``; ``last``: no step follows it in this fit (the server frees early)."""
-        await self._settle_first()
-        self._check_usable("step")
+    async def step(self, batches: Sequence[Any], last: bool, joining: bool | None = None) -> StepResult:
+        """One optimizer step over ``batches``; ``last``: no step follows it in this fit (the server frees early).
+
+        ``joining`` (default: the session's :attr:`joins`; a fit passes its own ``uneven``): the step starts with
+        every rank's rows, so a rank whose data ended joins it with empty shards (``step(None)``).
+        """
+        await self._calls.check("step")
         if not batches:
             raise ConfigError("step() needs at least one batch: step(batch), or step(b1, ..., bN) to accumulate")
         step = self._next_step
-        joining = self.joining and self._process_local
+        joining = (self.joins if joining is None else joining) and self._process_local
         if joining:
             own_rows = [0 if batch is None else batch_rows(batch, f"batch {i} of step {step}") for i, batch in enumerate(batches)]
         else:
@@ -289,13 +325,13 @@ class SessionCore(SessionOperations):
             weights = tuple(shard.weight for shard in shards)
             # Joined, ranks' rows differ by design and their data ends apart: the step's agreement checks neither.
             local_rows = 0 if joining else sum(sum(shard.rows) for shard in shards)
-            _built(self._server_mailbox).post(StepDispatched(step, weights, local_rows, last and not joining))
+            self._parts.server_mailbox.post(StepDispatched(step, weights, local_rows, last and not joining))
             for actor, shard in zip(self._actors, shards):
                 actor.shards.post(shard)
             loss, applied = await self._await_applied(step)
         self._next_step = step + 1
         self.last_applied_at = time.monotonic()
-        runtime = self._runtime
+        runtime = self._peers.runtime
         if runtime is not None and runtime.change_after == step:
             self.change_due = True
         self.replay_pending = False
@@ -355,7 +391,7 @@ class SessionCore(SessionOperations):
         table = torch.zeros(world * (count + 1), dtype=torch.float64)
         table[topology.rank * count : (topology.rank + 1) * count] = torch.tensor(own_rows, dtype=torch.float64)
         table[world * count + topology.rank] = count
-        runtime = self._runtime
+        runtime = self._peers.runtime
         if runtime is not None:
             table = await self._collective_job(lambda: runtime.all_reduce(table, "sum"), "joining uneven data")
         counts = [int(c) for c in table[world * count :].tolist()]
@@ -386,22 +422,17 @@ class SessionCore(SessionOperations):
         shards = [Shard(step, tuple(r), tuple(t), tuple(d), tuple(local_rows), tuple(padded)) for r, t, d in per_device]
         return shards, int(sum(int(totals[p]) for p in kept))
 
-    @property
-    def process_local(self) -> bool:
-        """Each process feeds its own batches (``process_local_data=True``)."""
-        return self._process_local
-
     async def _await_applied(self, step: int) -> tuple[float, StepApplied]:
         """The step's loss, from the sync server, and the first device's report, once every device applied it."""
-        mailbox = _built(self._session_mailbox)
+        mailbox = self._parts.session_mailbox
         loss: float | None = None
         first: StepApplied | None = None
         for _ in range(len(self._actors) + 1):
             try:
                 message = await mailbox.receive()
             except MailboxClosed:
-                # Closed by _serve once a failure is settled: raise that failure itself.
-                raise self._failure or SessionClosed("the session closed during a step") from None
+                # Closed by the life once a failure is settled: raise that failure itself.
+                raise self._life.failure or SessionClosed("the session closed during a step") from None
             match message:
                 case StepLoss(step=at, loss=value) if at == step and loss is None:
                     loss = value
@@ -409,43 +440,106 @@ class SessionCore(SessionOperations):
                     first = first or message
                 case _:
                     raise SyncFailed(step, None, f"protocol error: {message!r} while waiting for step {step}")
-        return _built(loss), _built(first)
+        if loss is None or first is None:
+            raise SyncFailed(step, None, f"protocol error: step {step} ended without its loss or its report")
+        return loss, first
 
-    @property
-    def resume(self) -> Checkpoint | None:
-        """The checkpoint the session started from."""
-        return self._resume
+    # -- evaluate and all_reduce ------------------------------------------------------
 
-    @property
-    def runtime(self) -> ProcessGroupRuntime | None:
-        """The process group's side of the session, once joined (``None`` in one process)."""
-        return self._runtime
+    async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
+        """Row-weighted metric sums over every global batch of ``data``, as global means (see :meth:`gsync.Session.evaluate`)."""
+        await self._calls.check("evaluate")
+        check_batch_source(data)
+        if metric_fn is not None and not callable(metric_fn):
+            raise InputTypeError("metric_fn must be callable as metric_fn(model, shard) -> scalar or dict of scalars")
+        loss_fn = self._recipe.loss_fn
 
-    @property
-    def failure(self) -> BaseException | None:
-        """What closed the session, if it did not end normally."""
-        return self._failure
+        def loss(model: nn.Module, shard: Any) -> Any:
+            return loss_fn(model, shard)
 
-    @property
-    def state(self) -> SessionState:
-        """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`)."""
-        return self._life.state
+        fn = metric_fn if metric_fn is not None else loss
+        failure: BaseException | None = None
+        try:
+            async with self._operation():
+                names, totals = await self._evaluate(data, fn)
+        except BaseExceptionGroup as errors:
+            failure = first_failure(errors)
+        except GsyncError as error:
+            failure = error
+        if failure is not None:
+            raise self._life.fail(failure)
+        total_rows = float(totals[-1])
+        if total_rows == 0:
+            raise ConfigError("evaluate() got no rows: data yielded nothing")
+        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
 
-    @property
-    def usable(self) -> bool:
-        """Open and not failed: operations may run."""
-        return self._life.state in (SessionState.IDLE, SessionState.OPERATING) and self._failure is None
+    async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
+        """Row-weighted metric sums over every batch and local device, then over every process."""
+        parts = self._parts
+        sums, rows_seen = await local_metric_sums(
+            parts.actors, data, self.loop_handle(), self._split_one, fn, self._next_step - 1,
+            in_turn=parts.context.first_step is not None and parts.server.steps_synced == 0,
+        )
+        names = sorted(sums)
+        runtime = self._peers.runtime
+        if runtime is not None:
+            # A rank whose devices saw no rows, or a metric whose keys depend on
+            # the data, knows other names: reduce over the union, in one order.
+            local = names
+            names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
+        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
+        if runtime is not None:
+            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
+        return names, totals
 
-    def request_end(self) -> None:
-        """End the session (a close, a drop, a planned membership change): no call starts from now on."""
-        self._life.end_asked()
-        self.end_requested.set()
+    async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
+        """One value per process combined over every process (see :meth:`gsync.Session.all_reduce`)."""
+        if op not in ("sum", "mean", "max", "min"):
+            raise ConfigError(f"op must be 'sum', 'mean', 'max' or 'min', got {op!r}")
+        is_tensor = isinstance(value, torch.Tensor)
+        if not is_tensor and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputTypeError(f"all_reduce takes a number or a tensor, got {type(value).__name__}")
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ConfigError(f"all_reduce reduces an int as int64; {value} does not fit: pass a float, or scale it")
+        if op == "mean" and isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
+            # Averaged as float64: an integer or bool sum would overflow, and a bool sum is an OR on some backends.
+            value = value.to(torch.float64)
+        await self._calls.check("all_reduce")
+        runtime = self._peers.runtime
+        if runtime is None:
+            return reduced_as(value, value, op, 1)
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().clone()
+        else:
+            tensor = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+        failure: GsyncError | None = None
+        try:
+            async with self._operation():
+                reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op), "all_reduce")
+        except GsyncError as error:
+            failure = error
+        if failure is not None:
+            raise self._life.fail(failure)
+        return reduced_as(value, reduced, op, self._topology.world_size)
 
-    def end_for_change(self) -> None:
-        """End the session for a membership change every rank agreed on: the next generation goes on with its
-        replicas (:meth:`hold`), so the model passed in is not written back."""
-        self._ending_for_change = True
-        self.request_end()
+    def _split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
+        """This process's devices' rows and shards of one batch."""
+        topology = self._topology
+        if self._process_local:
+            # This process's own batch; every process's is as large (checked each step).
+            return shard_rows(rows, topology.local_devices), split_batch(batch, topology.local_devices)
+        return (
+            shard_rows(rows, topology.world_devices)[topology.local_slice],
+            split_batch(batch, topology.world_devices)[topology.local_slice],
+        )
+
+    def _operation(self) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._calls.operation(self.loop_handle())
+
+    async def _collective_job(self, job: Callable[[], Any], what: str) -> Any:
+        return await self._calls.collective_job(self._parts.server.comm, job, what, self._next_step - 1)
+
+    # -- between calls --------------------------------------------------------------
 
     def rewind_generators_for_replay(self) -> None:
         """Before a resumed fit replays its data: the generators as they were when the session opened.
@@ -454,7 +548,7 @@ class SessionCore(SessionOperations):
         (a shuffling DataLoader's seed at each ``iter``); the fit restores the
         checkpoint's generators where it continues the run.
         """
-        state, self._rng_before_resume = self._rng_before_resume, None
+        state, self._life.rng_before_resume = self._life.rng_before_resume, None
         if state is not None:
             restore_rng(state)
 
@@ -462,7 +556,7 @@ class SessionCore(SessionOperations):
         """A module holding the weights of the last step applied (see :attr:`gsync.Session.model`)."""
         operating = self._life.state is SessionState.OPERATING
         if not operating:  # a read while a step runs is refreshed after it
-            self._check_usable("model")
+            self._calls.check_now("model")
         if self._snapshot is None:
             # Made once: the user's model is left as it was until the session closes.
             self._snapshot = copy.deepcopy(self.model)
@@ -483,16 +577,35 @@ class SessionCore(SessionOperations):
 
     def threads(self) -> list[threading.Thread]:
         """The session's long-lived threads: the devices', the communication thread and the process group's."""
-        workers = [actor.worker for actor in self._actors]
-        if self._server is not None:
-            workers.append(self._server.comm)
-        if self._setup is not None:
-            workers.append(self._setup)
+        workers = self._life.workers.threads() + self._peers.threads()
         return list({id(worker): worker.thread for worker in workers}.values())
 
     def loop_handle(self) -> LoopHandle:
         """The loop the session runs on, for posting to it from threads."""
-        return _built(self._loop)
+        loop = self._life.loop
+        if loop is None:
+            raise SessionClosed("the session is not open: use it inside `async with engine.session(...)`")
+        return loop
+
+    # -- what the peer link reads (SessionView) -----------------------------------------
+
+    @property
+    def opened(self) -> bool:
+        """The start finished: what this rank reports to peers is the fit's, not the start's."""
+        return self._life.opened
+
+    @property
+    def operations_done(self) -> int:
+        """Steps, evaluations and all_reduces completed (across processes, the ranks' n-th meet)."""
+        return self._calls.done
+
+    def call_over(self) -> LoopEvent | None:
+        """Set when the call in flight ends; ``None`` while no call runs."""
+        return self._calls.over()
+
+    def devices(self) -> list[DeviceActor]:
+        return self._actors
+
 
 @asynccontextmanager
 async def open_session(
@@ -521,48 +634,47 @@ async def open_session(
         settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic,
         on_idle_failure=on_idle_failure, held=held, agreed_start=agreed_start,
     )
+    life, peers = session.life, session._peers
     raised: BaseException | None = None
     try:
         try:
-            await session._start()
+            await life.start()
             async with anyio.create_task_group() as group:
-                group.start_soon(session._serve)
+                group.start_soon(life.serve)
                 try:
                     yield session
                 except BaseException:
                     raise  # the group cancels everything: nothing to end gracefully
                 else:
-                    if session._failure is None:
-                        session._stop_serving()
+                    if life.failure is None:
+                        life.end_of_data()
                     else:
                         # Failed or cancelled: nothing it holds is to be finished, and a device thread stuck in
                         # native code would keep a graceful end waiting for its sync_timeout. It is left behind.
                         group.cancel_scope.cancel()
         except BaseExceptionGroup as errors:
-            raised = raised_by_block(errors, session._failure)
+            raised = raised_by_block(errors, life.failure)
         except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
             raised = error
         if raised is None:
-            if session._failure is None:
-                await session._announce_departure()
-                await session._finish()
+            if life.failure is None:
+                await peers.announce_departure()
+                await life.finish()
             else:
                 # The session failed or was cancelled, and then closed: peers still learn of it.
-                await session._report(session._cancellation or session._failure)
+                await peers.report(life.cancellation or life.failure)
         else:
-            if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not session._failure:
-                session._fail(raised)
-            if not session._life.opened:
-                # A start interrupted in its collectives (a cancellation): the report below
-                # queues behind them in the setup thread, which leaves them on the abort flag.
-                session._abort.set()
+            if isinstance(raised, GsyncError) and not isinstance(raised, SessionClosed) and raised is not life.failure:
+                life.fail(raised)
+            # A start interrupted in its collectives (a cancellation): the report below queues behind them.
+            life.interrupted_start()
             # Whatever ended this rank's block (the user's own exception, a
             # cancellation), peers learn of it before the group goes down,
             # instead of waiting in a collective for a rank that has left.
-            await session._report(session._failure if isinstance(raised, SessionClosed) and session._failure else raised)
+            await peers.report(life.failure if isinstance(raised, SessionClosed) and life.failure else raised)
     finally:
-        await session._close()
+        await life.close()
         # Marks how the session ended, writes Engine(trace=path)'s file, ends `raised`'s message with its path.
-        await finish_trace(session.trace, settings.trace_file, raised, session._cancellation or session._failure)
+        await finish_trace(session.trace, settings.trace_file, raised, life.cancellation or life.failure)
     if raised is not None:
         raise raised

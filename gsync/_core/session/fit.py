@@ -54,6 +54,7 @@ class MembershipCarry(Protocol):
         last: bool,
         on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
         expected: int | None = None,
+        joining: bool | None = None,
     ) -> StepResult | None: ...
 
     def membership_changes(self) -> tuple[MembershipChange, ...]: ...
@@ -126,7 +127,6 @@ async def run_fit(
     finally:
         if display is not None:
             display.close()
-        loop.core.joining = loop.core.joins
     return FitResult(
         model=core.current_model() if result_model is None else result_model,
         losses=[record.loss for record in history],
@@ -228,16 +228,13 @@ class _FitLoop:
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
-        self.core.joining = self.joining
         if self._carry is None:
-            return await self._core.step(batches, last=last)
+            return await self._core.step(batches, last=last, joining=self.joining)
 
         async def changed(change: MembershipChange) -> None:
-            # The step is redone on the new membership's core: it joins as this fit does.
-            self.core.joining = self.joining
             await self.call("on_membership_change", self.session, change)
 
-        return await self._carry.step(batches, last, changed, step)
+        return await self._carry.step(batches, last, changed, step, joining=self.joining)
 
     async def call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:

@@ -368,8 +368,10 @@ class SessionService:
         last: bool,
         on_change: Callable[[MembershipChange], Awaitable[None]] | None = None,
         expected: int | None = None,
+        joining: bool | None = None,
     ) -> StepResult | None:
         """Step ``expected`` (default: the next one); in an elastic run, carried across membership changes.
+        ``joining``: see :meth:`SessionCore.step`.
 
         After a change the step is redone over the next generation, unless
         that generation starts past it (a member that applied it handed its
@@ -378,7 +380,7 @@ class SessionService:
         elastic = self.elastic
         core = self.serving
         if elastic is None:
-            return await core.step(batches, last=last)
+            return await core.step(batches, last=last, joining=joining)
         changes = len(elastic.changes)
         since = core.last_applied_at
         step = core.next_step if expected is None else expected
@@ -391,7 +393,7 @@ class SessionService:
             if core.next_step > step:
                 return None
             try:
-                result = await core.step(batches, last=last)
+                result = await core.step(batches, last=last, joining=joining)
             except GsyncError as error:
                 if not recoverable(error):
                     raise
@@ -533,8 +535,8 @@ class SessionService:
     def take_pending(self) -> BaseException | None:
         """The error nothing has raised yet (a failure settled between calls, or one of the close itself), once."""
         core = self.core
-        if core is not None and core.undelivered is not None:
-            undelivered, core.undelivered = core.undelivered, None
+        undelivered = None if core is None else core.take_undelivered()
+        if undelivered is not None:
             return undelivered
         pending, self._close_error = self._close_error, None
         return pending

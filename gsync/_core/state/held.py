@@ -11,14 +11,19 @@ replicas on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...checkpoint import Checkpoint
 from .replicas import Replica
 
-__all__ = ("HeldState",)
+if TYPE_CHECKING:
+    from ..gradients.buffers import BufferSync
+    from ..step.actor import DeviceActor
+
+__all__ = ("HeldState", "hold_replicas")
 
 
 class HeldState:
@@ -86,3 +91,51 @@ class HeldState:
         (its ranks had agreed on the state, so nothing was broadcast into them either)."""
         self._taken = False
         return self
+
+
+def hold_replicas(
+    actors: Sequence[DeviceActor],
+    buffers: BufferSync | None,
+    failure: BaseException | None,
+    first_step: int,
+    finish: Callable[[Checkpoint], Checkpoint],
+    *,
+    whole: bool,
+) -> HeldState | None:
+    """What an ended session leaves an elastic run's next generation: its replicas themselves when every local
+    one holds the same step whole, their buffers put back as that step left them (an interrupted forward moves
+    running statistics on); otherwise ``failure``'s checkpoint; ``None`` when there is neither.
+
+    ``whole``: every thread stopped at teardown (none left behind inside a replica). ``finish`` completes a
+    checkpoint taken of the state.
+    """
+    taken = getattr(failure, "checkpoint", None)
+    step = _whole_step(actors, buffers, failure, first_step) if whole else None
+    if step is None or buffers is None:
+        return None if taken is None else HeldState.of(finish(taken))
+    snapshot = None if buffers.empty else buffers.restore(step)
+    first = actors[0]
+    replicas = [Replica(a.replica, a.optimizer, a.scheduler, a.scaler) for a in actors]
+
+    def capture() -> Checkpoint:
+        if isinstance(taken, Checkpoint) and taken.step == step:
+            return finish(taken)  # the failure's own, already copied
+        return finish(Checkpoint.capture(step, first.replica, first.optimizer, snapshot, scheduler=first.scheduler, scaler=first.scaler))
+
+    return HeldState(step, capture, replicas, snapshot)
+
+
+def _whole_step(actors: Sequence[DeviceActor], buffers: BufferSync | None, failure: BaseException | None, first_step: int) -> int | None:
+    """The step every local replica holds whole, if they all hold one (a sharded replica holds only its shard)."""
+    if not actors or buffers is None or actors[0].update.shard is not None:
+        return None
+    steps = {actor.applied_step for actor in actors}
+    if len(steps) != 1 or any(actor.optimizer_dirty for actor in actors):
+        return None
+    step = steps.pop()
+    if step < first_step - 1:
+        return None
+    moved = failure is not None  # a step was interrupted: its forward may have moved the buffers
+    if moved and not buffers.empty and buffers.snapshot(step) is None:
+        return None
+    return step

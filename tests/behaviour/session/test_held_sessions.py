@@ -128,7 +128,7 @@ async def test_session_model_holds_the_weights_of_the_last_step_and_leaves_the_m
 
 def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
     """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
-    session._core._server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
+    session._core._parts.server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
 
 
 @pytest.mark.asyncio

@@ -301,7 +301,7 @@ async def test_a_step_asked_for_after_a_close_began_is_refused(no_leaks: None) -
 
 def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
     """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
-    session._core._server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
+    session._core._parts.server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
 
 
 async def test_a_cancelled_call_leaves_without_gsyncs_frames_and_says_what_it_did(no_leaks: None) -> None:
