@@ -149,7 +149,7 @@ class ProcessGroupRuntime:
         self.elastic = elastic
         """A generation of an elastic run: a peer that is gone is a membership change, not a failure to name."""
         self.change_wanted = False
-        """Set (from any thread) when this rank wants the membership changed after the current step."""
+        """This rank wants the membership changed after the current step (:meth:`want_change`)."""
         self.change_after: int | None = None
         """The step after which every rank agreed to change the membership (set in the communication thread)."""
         self.topology = topology
@@ -157,6 +157,11 @@ class ProcessGroupRuntime:
         self.heartbeat = heartbeat
         self.host = host
         """The gloo group of an NCCL run's host-side collectives (see :func:`host_group`); ``None`` on gloo."""
+
+    def want_change(self) -> None:
+        """This rank wants the membership changed after the current step: the next step's agreement tells every
+        rank. Safe from any thread (a signal handler, the membership watcher): one flag, read once per step."""
+        self.change_wanted = True
 
     @classmethod
     def start(

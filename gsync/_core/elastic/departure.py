@@ -35,7 +35,7 @@ def on_sigterm_depart(elastic: ElasticMembership, runtime: Callable[[], Any]) ->
         elastic.depart_soon()
         current = runtime()
         if current is not None:
-            current.change_wanted = True  # the next step's agreement tells every rank
+            current.want_change()  # the next step's agreement tells every rank
 
     previous = signal.signal(signal.SIGTERM, depart)
 

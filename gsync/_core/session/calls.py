@@ -85,9 +85,7 @@ class CallGate:
 
     def cancelled(self, cancellation: BaseException) -> None:
         """A call was cancelled: the session closes, and peers are told of the cancellation."""
-        if self._life.cancellation is None:
-            self._life.cancellation = cancellation
-        self._life.fail(SessionClosed("a call of this session was cancelled midway, so the session is closed"))
+        self._life.cancelled(cancellation)
 
     def close_call(self, reason: str) -> None:
         """End the call in flight with :class:`~gsync.SessionClosed` (``reason``), closing the session as failed.

@@ -548,7 +548,7 @@ class SessionCore:
         (a shuffling DataLoader's seed at each ``iter``); the fit restores the
         checkpoint's generators where it continues the run.
         """
-        state, self._life.rng_before_resume = self._life.rng_before_resume, None
+        state = self._life.take_rng_before_resume()
         if state is not None:
             restore_rng(state)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ...checkpoint import Checkpoint
-from ...errors import GsyncError, SyncFailed, SyncTimeout
+from ...errors import GsyncError, SessionClosed, SyncFailed, SyncTimeout
 from ..elastic.recovery import recoverable
 from ..state.checkpointing import restore_checkpoint_rng
 from ..state.held import HeldState, hold_replicas
@@ -132,6 +132,18 @@ class SessionLife:
         if self._state.state is SessionState.FAILING:
             with anyio.CancelScope(shield=True):
                 await self._settled.wait()
+
+    def cancelled(self, cancellation: BaseException) -> None:
+        """A call was cancelled midway: the session fails closed, and peers hear of the (first) cancellation."""
+        if self.cancellation is None:
+            self.cancellation = cancellation
+        self.fail(SessionClosed("a call of this session was cancelled midway, so the session is closed"))
+
+    def take_rng_before_resume(self) -> dict[str, Any] | None:
+        """The generators as they were before the checkpoint's were restored, once (a resumed fit's replay reads
+        its data with them)."""
+        state, self.rng_before_resume = self.rng_before_resume, None
+        return state
 
     def take_undelivered(self) -> BaseException | None:
         """The failure settled while no operation ran, once: whoever takes it raises or logs it."""

@@ -122,13 +122,12 @@ class PeerLink:
         )
         await self._listen(runtime, setup, loop)
         if elastic is not None and generation is not None and elastic.run is not None:
-            runtime.change_wanted = elastic.leaving  # a SIGTERM that came while this generation started
-
-            def knocked() -> None:
-                runtime.change_wanted = True
-
+            if elastic.leaving:
+                runtime.want_change()  # a SIGTERM that came while this generation started
             changing = self._membership_changing
-            self._watcher = ReformWatcher(elastic.run, generation, lambda planned: loop.call_soon(changing, planned), knocked)
+            self._watcher = ReformWatcher(
+                elastic.run, generation, lambda planned: loop.call_soon(changing, planned), runtime.want_change
+            )
             self._watcher.start()
 
     async def _listen(self, runtime: ProcessGroupRuntime, setup: WorkerThread, loop: LoopHandle) -> None:
