@@ -345,7 +345,7 @@ class Session:
             try:
                 # Over a membership change the evaluation is redone from its first batch, if data can be read again.
                 return await self._service.carried(
-                    lambda core: core.evaluate(data, metric_fn=metric_fn), "evaluate", redoable=_iterable_again(data)
+                    lambda core: core.evaluate(data, metric_fn=metric_fn), "evaluate()", redoable=_iterable_again(data)
                 )
             except BaseException as error:
                 await self._closed_by(error)
@@ -377,7 +377,7 @@ class Session:
         self._check_call()
         with cancellation_kept(_CALL_CANCELLED):
             try:
-                reduced = await self._service.carried(lambda core: core.all_reduce(value, op), "all_reduce")
+                reduced = await self._service.carried(lambda core: core.all_reduce(value, op), f"all_reduce(op={op!r})")
                 if isinstance(value, torch.Tensor) and isinstance(reduced, torch.Tensor):
                     return reduced.to(value.device)  # a result handed over by a peer after a change arrives on the CPU
                 return reduced

@@ -6,17 +6,25 @@ on to its next call, while one whose collective was aborted (a change aborts
 every member's collectives) redoes the operation over the new membership.
 There its collectives would meet the other member's next call's. So each
 member keeps how many operations it completed since the last step applied,
-and the last one's result; when the new membership forms the members compare
-(:func:`~gsync._core.elastic.handover.agree_state`), and a member one
-operation behind is handed the result instead of redoing it. That is also
-the value every member that completed it holds: it counts the lost member's
-share, which a redo over the survivors would not.
+and a copy of the last one's result; when the new membership forms the
+members compare (:func:`~gsync._core.elastic.handover.agree_state`), and a
+member exactly one operation behind is handed the result instead of redoing
+it. That is also the value every member that completed it holds: it counts
+the lost member's share, which a redo over the survivors would not.
+
+A member cannot be further behind: the member ahead completed its last
+operation's collectives with every other member taking part, so each had
+returned from the call before it. The log is written on the event loop when
+a call returns and read and handed to by the change's thread while the
+session's calls wait for the new membership, never both at once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ...errors import ConfigError
 
@@ -45,11 +53,12 @@ class OperationLog:
         return self._done if self._after == step else 0
 
     def completed(self, after: int, kind: str, result: Any) -> None:
-        """An operation of ``kind`` returned ``result`` after step ``after``."""
+        """An operation of ``kind`` returned ``result`` after step ``after``; a copy of it is kept (the caller may
+        change what it was given), on the CPU."""
         if after != self._after:
             self._after, self._done = after, 0
         self._done += 1
-        self._last = (kind, result)
+        self._last = (kind, _copied(result))
 
     def last(self, step: int) -> tuple[str, Any]:
         """The kind and result of the last operation completed after step ``step``."""
@@ -80,7 +89,16 @@ class OperationLog:
         self._handed = None
         if kind != handed.kind:
             raise ConfigError(
-                f"this rank called {kind}() after step {after} where the other members called {handed.kind}(); "
+                f"this rank called {kind} after step {after} where the other members called {handed.kind}; "
                 "every rank must run the same loop"
             )
-        return True, handed.result
+        return True, _copied(handed.result)
+
+
+def _copied(result: Any) -> Any:
+    """``result`` (an evaluation's metrics, an all_reduce's number or tensor) as a copy nothing else holds."""
+    if isinstance(result, torch.Tensor):
+        return result.detach().to("cpu", copy=True)
+    if isinstance(result, dict):
+        return {key: _copied(value) for key, value in result.items()}
+    return result

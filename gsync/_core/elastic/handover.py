@@ -3,7 +3,8 @@
 After a loss the survivors may differ by one step (a rank whose last
 collective of step ``n`` completed applied it; one whose collective failed
 did not), and a joiner has no state at all. Every member says the last step
-it applied; the first member with the highest sends its checkpoint
+it applied (and how many evaluations or all_reduces it completed since); the
+first member with the highest sends its checkpoint
 (parameters, buffers, optimizer, scheduler, scaler, random generators, step,
 data position) as bytes over the group, and every member behind starts from
 it. A member as advanced, and every member of a generation whose members all
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import io
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ _NO_STATE = -2  # a joiner's last step: it holds nothing
 
 
 def agree_state(
-    group: dist.ProcessGroup, mine: HeldState | None, abort: threading.Event, operations: OperationLog | None = None
+    group: dist.ProcessGroup, mine: HeldState | None, abort: threading.Event, operations: OperationLog
 ) -> HeldState | None:
     """The state every member of ``group`` starts from (``mine`` itself when it is as advanced as any); ``None``
     when no member holds one. Collective.
@@ -52,15 +54,17 @@ def agree_state(
 
     ``operations``: this member's evaluations and all_reduces since its last
     step; one that another member completed and this one did not is handed
-    over into it (see :mod:`~gsync._core.elastic.carry`).
+    over into it (see :mod:`~gsync._core.elastic.carry`), once the whole
+    agreement succeeded (an agreement cut short by a member lost again hands
+    nothing: the next one compares afresh).
 
     :raises ~gsync.CheckpointError: when what the sending member sent is not
         a checkpoint that loads without running code (nothing of it is run).
     :raises RuntimeError: (from gloo) when a member is lost meanwhile.
     """
-    rank, size = group.rank(), group.size()
+    size = group.size()
     step = _NO_STATE if mine is None else mine.step
-    done = 0 if mine is None or operations is None else operations.position(mine.step)
+    done = 0 if mine is None else operations.position(mine.step)
     position = torch.tensor([step, done], dtype=torch.int64)
     gathered = [torch.empty_like(position) for _ in range(size)]
     wait_work(dist.all_gather(gathered, position, group=group, async_op=True), abort)
@@ -69,12 +73,20 @@ def agree_state(
     if best[0] == _NO_STATE:
         return None
     source = positions.index(best)  # the most advanced step, and the most operations after it
+    handed: tuple[str, Any] | None = None
     if best[1] > 0 and any(other < best for other in positions):
-        _hand_result(group, source, best, operations, abort)
-    if all(other[0] == best[0] for other in positions) and mine is not None:
-        return mine
+        handed = _hand_result(group, source, operations.last(best[0]) if group.rank() == source else None, abort)
+    state = mine if all(other[0] == best[0] for other in positions) and mine is not None else _send_state(group, source, best[0], mine, abort)
+    # Handed only to a member exactly one operation behind, where it stands once it holds the state (see carry).
+    if handed is not None and (done if step == best[0] else 0) == best[1] - 1:
+        operations.hand(best[0], best[1], *handed)
+    return state
+
+
+def _send_state(group: dist.ProcessGroup, source: int, best: int, mine: HeldState | None, abort: threading.Event) -> HeldState:
+    """``source``'s state, sent to every member; a member as advanced as ``best`` goes on with its own."""
     length = torch.empty(1, dtype=torch.int64)
-    if rank == source and mine is not None:
+    if group.rank() == source and mine is not None:
         data = torch.frombuffer(bytearray(encode_state(mine.checkpoint())), dtype=torch.uint8)
         length.fill_(data.numel())
         wait_work(broadcast_from(length, group, source), abort)
@@ -82,7 +94,7 @@ def agree_state(
         return mine
     what = f"the state sent by the new membership's rank {source}"
     received = _receive(group, source, length, what, abort)
-    if mine is not None and mine.step == best[0]:
+    if mine is not None and mine.step == best:
         # As advanced as the sender (a joiner or a member behind needed its state): this member's own replicas go
         # on, as they would had nobody needed it.
         return mine
@@ -90,23 +102,19 @@ def agree_state(
 
 
 def _hand_result(
-    group: dist.ProcessGroup, source: int, best: tuple[int, int], operations: OperationLog | None, abort: threading.Event
-) -> None:
-    """The result of operation ``best[1]`` after step ``best[0]``, from ``source`` into every member's log."""
-    after, number = best
+    group: dist.ProcessGroup, source: int, last: tuple[str, Any] | None, abort: threading.Event
+) -> tuple[str, Any]:
+    """The kind and result of ``source``'s last operation (``last``, on ``source``), as every member reads it."""
     length = torch.empty(1, dtype=torch.int64)
     what = f"the result of an operation sent by the new membership's rank {source}"
-    if group.rank() == source:
-        if operations is None:
-            raise RuntimeError("a member ahead by an operation holds no log of it")
-        kind, result = operations.last(after)
+    if last is not None:
         buffer = io.BytesIO()
-        torch.save({"kind": kind, "result": result}, buffer)
+        torch.save({"kind": last[0], "result": last[1]}, buffer)
         data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
         length.fill_(data.numel())
         wait_work(broadcast_from(length, group, source), abort)
         wait_work(broadcast_from(data, group, source), abort)
-        return
+        return last
     received = _receive(group, source, length, what, abort)
     try:
         payload = torch.load(io.BytesIO(received), map_location="cpu", weights_only=True)
@@ -114,8 +122,7 @@ def _hand_result(
         raise CheckpointError(f"{what} was refused: it does not load without running code ({error})") from error
     if not isinstance(payload, dict) or not isinstance(payload.get("kind"), str) or "result" not in payload:
         raise CheckpointError(f"{what} was refused: it is not an operation's result")
-    if operations is not None:
-        operations.hand(after, number, payload["kind"], payload["result"])
+    return payload["kind"], payload["result"]
 
 
 def _receive(group: dist.ProcessGroup, source: int, length: torch.Tensor, what: str, abort: threading.Event) -> bytearray:

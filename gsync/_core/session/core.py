@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import math
 import threading
 import time
@@ -64,8 +63,6 @@ if TYPE_CHECKING:
     from ..settings import EngineSettings
 
 __all__ = ("ReduceOp", "SessionCore", "open_session")
-
-logger = logging.getLogger("gsync")
 
 
 class SessionCore:

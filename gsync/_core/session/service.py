@@ -332,7 +332,8 @@ class SessionService:
     async def carried(
         self, operation: Callable[[SessionCore], Awaitable[_T]], kind: str, *, redoable: bool = True
     ) -> _T:
-        """Run ``operation`` (an evaluation or all_reduce, named by ``kind``) on the serving core; in an elastic
+        """Run ``operation`` (an evaluation or all_reduce, named by ``kind`` as a call with the arguments every rank
+        must pass alike, e.g. ``"all_reduce(op='sum')"``) on the serving core; in an elastic
         run, redone over the next membership if one interrupts it (every survivor redoes it: the ranks' n-th
         operations still meet), unless not ``redoable`` (an evaluation over a one-shot iterator, whose batches
         are gone: the interruption is raised once the change is made). A survivor whose peer completed it before

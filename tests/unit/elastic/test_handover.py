@@ -154,7 +154,7 @@ def test_a_member_behind_and_a_joiner_are_sent_every_field_of_the_most_advanced_
     held = [HeldState.of(behind), HeldState.of(ahead), None]
     abort = threading.Event()
     with ThreadPoolExecutor(3) as pool:
-        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort), zip(groups, held)))
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, OperationLog()), zip(groups, held)))
     assert agreed[1] is held[1]
     for state in (agreed[0], agreed[2]):
         assert state is not None and not state.has_replicas
@@ -176,7 +176,7 @@ def test_members_that_hold_the_same_step_go_on_with_their_own_state_and_nothing_
     mine = [held(0), held(1)]
     abort = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort), zip(groups, mine)))
+        agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, OperationLog()), zip(groups, mine)))
     assert agreed[0] is mine[0] and agreed[1] is mine[1]
     assert captures == []  # no checkpoint was taken: each member's replicas go on as they are
 
@@ -189,8 +189,8 @@ def test_a_member_sent_state_that_would_run_code_refuses_it_with_a_checkpoint_er
     monkeypatch.setattr(handover, "encode_state", lambda checkpoint: hostile_state(marker))
     abort = threading.Event()
     with ThreadPoolExecutor(2) as pool:
-        sender = pool.submit(agree_state, groups[0], HeldState.of(trained_checkpoint(7)), abort)
-        receiver = pool.submit(agree_state, groups[1], HeldState.of(trained_checkpoint(4)), abort)
+        sender = pool.submit(agree_state, groups[0], HeldState.of(trained_checkpoint(7)), abort, OperationLog())
+        receiver = pool.submit(agree_state, groups[1], HeldState.of(trained_checkpoint(4)), abort, OperationLog())
         sender.result(timeout=30)
         with pytest.raises(gsync.CheckpointError, match="the state sent by the new membership's rank 0 was refused"):
             receiver.result(timeout=30)
@@ -224,48 +224,69 @@ def log_after(step: int, results: list[tuple[str, Any]]) -> OperationLog:
 
 @pytest.mark.timeout(60)
 def test_a_member_whose_last_operation_was_interrupted_is_handed_the_result_the_member_that_completed_it_holds() -> None:
-    _server, groups = gloo_groups(3)
-    # After step 5 member 0 completed two evaluations; member 1's second was interrupted by the change; member 2
-    # applied only step 4 (it is sent the state, and the result of the operation it will reach after it).
+    _server, groups = gloo_groups(4)
+    # After step 5 member 0 completed two evaluations and member 1 one (its second was interrupted by the change).
+    # Member 2 completed none after step 5 (no member can really be two behind: it is given nothing to run past
+    # the others with), and member 3 is a joiner: neither is handed the result, and member 3 is sent the state.
     metrics = {"loss": 0.25, "accuracy": 0.75}
     logs = [
-        log_after(5, [("evaluate", {"loss": 0.5}), ("evaluate", metrics)]),
-        log_after(5, [("evaluate", {"loss": 0.5})]),
-        log_after(4, [("all_reduce", 3.0)]),
+        log_after(5, [("evaluate()", {"loss": 0.5}), ("evaluate()", metrics)]),
+        log_after(5, [("evaluate()", {"loss": 0.5})]),
+        log_after(4, [("all_reduce(op='sum')", 3.0)]),
+        OperationLog(),
     ]
-    held = [HeldState.of(trained_checkpoint(5)), HeldState.of(trained_checkpoint(5)), HeldState.of(trained_checkpoint(4))]
+    state = trained_checkpoint(5)
+    held = [HeldState.of(state), HeldState.of(state), HeldState.of(state), None]
     abort = threading.Event()
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, args[2]), zip(groups, held, logs)))
-    assert agreed[0] is held[0] and agreed[1] is held[1]
-    assert agreed[2] is not None and agreed[2].step == 5
+    assert agreed[:3] == held[:3]  # as advanced as the sender: each goes on with its own
+    assert agreed[3] is not None and agreed[3].step == 5
     # Member 1's redo of its second evaluation after step 5 returns member 0's metrics, and runs nothing.
-    assert logs[1].take(5, "evaluate") == (True, metrics)
-    # Member 2 first redoes step 5 (already applied in the state it was sent), then reaches the evaluations.
-    assert logs[2].take(5, "evaluate") == (False, None)  # its first is not the one handed over: it runs it
-    logs[2].completed(5, "evaluate", {"loss": 0.5})
-    assert logs[2].take(5, "evaluate") == (True, metrics)
-    # Member 0 holds the result itself: nothing is handed to it.
-    assert logs[0].take(5, "evaluate") == (False, None)
+    assert logs[1].take(5, "evaluate()") == (True, metrics)
+    for log in (logs[0], logs[2], logs[3]):
+        assert log.take(5, "evaluate()") == (False, None)
+        log.completed(5, "evaluate()", {"loss": 0.5})
+        assert log.take(5, "evaluate()") == (False, None)
+
+
+@pytest.mark.timeout(60)
+def test_a_result_handed_in_an_agreement_that_did_not_complete_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    _server, groups = gloo_groups(2)
+    logs = [log_after(2, [("all_reduce(op='sum')", 4.0)]), OperationLog()]
+    held = [HeldState.of(trained_checkpoint(2)), HeldState.of(trained_checkpoint(1))]
+
+    def lost_again(*args: object) -> HeldState:
+        raise RuntimeError("Connection closed by peer")  # a member lost while the state was sent
+
+    monkeypatch.setattr(handover, "_send_state", lost_again)
+    abort = threading.Event()
+    with ThreadPoolExecutor(2) as pool:
+        attempts = [pool.submit(agree_state, group, mine, abort, log) for group, mine, log in zip(groups, held, logs)]
+        for attempt in attempts:
+            with pytest.raises(RuntimeError, match="Connection closed"):
+                attempt.result(timeout=30)
+    # The next agreement compares afresh: nothing from this one is taken in its place.
+    assert logs[1].take(2, "all_reduce(op='sum')") == (False, None)
 
 
 @pytest.mark.timeout(60)
 def test_members_whose_loops_are_at_the_same_operation_exchange_nothing_but_their_positions() -> None:
     _server, groups = gloo_groups(2)
-    logs = [log_after(6, [("all_reduce", 1.0)]), log_after(6, [("all_reduce", 1.0)])]
+    logs = [log_after(6, [("all_reduce(op='sum')", 1.0)]), log_after(6, [("all_reduce(op='sum')", 1.0)])]
     held = [HeldState.of(trained_checkpoint(6)), HeldState.of(trained_checkpoint(6))]
     abort = threading.Event()
     with ThreadPoolExecutor(2) as pool:
         agreed = list(pool.map(lambda args: agree_state(args[0], args[1], abort, args[2]), zip(groups, held, logs)))
     assert agreed == held
-    assert [log.take(6, "all_reduce") for log in logs] == [(False, None), (False, None)]
+    assert [log.take(6, "all_reduce(op='sum')") for log in logs] == [(False, None), (False, None)]
 
 
 @pytest.mark.timeout(60)
 def test_a_result_handed_over_that_would_run_code_is_refused_and_nothing_runs(tmp_path: Path) -> None:
     _server, groups = gloo_groups(2)
     marker = tmp_path / "ran"
-    logs = [log_after(3, [("all_reduce", Exploit(marker))]), OperationLog()]
+    logs = [log_after(3, [("all_reduce(op='sum')", Exploit(marker))]), OperationLog()]
     held = [HeldState.of(trained_checkpoint(3)), HeldState.of(trained_checkpoint(3))]
     abort = threading.Event()
     with ThreadPoolExecutor(2) as pool:
