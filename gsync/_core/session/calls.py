@@ -35,10 +35,14 @@ class CallGate:
         self._peers = peers
         self._abort = abort
         self._sync_timeout = sync_timeout
-        self.done = 0
-        """Operations completed (across processes, the ranks' n-th meet in collectives)."""
+        self._done = 0
         self._scope: anyio.CancelScope | None = None
         self._over: LoopEvent | None = None
+
+    @property
+    def done(self) -> int:
+        """Operations completed (across processes, the ranks' n-th meet in collectives)."""
+        return self._done
 
     def over(self) -> LoopEvent | None:
         """Set when the call in flight ends; ``None`` while no call runs."""
@@ -117,7 +121,7 @@ class CallGate:
           would no longer match.
         """
         life = self._life
-        left = self._peers.departed_before(self.done)
+        left = self._peers.departed_before(self._done)
         if left is not None:
             raise life.fail(peer_failed(left))
         over = loop.event()
@@ -144,11 +148,11 @@ class CallGate:
             over.set()
         if symptom or scope.cancelled_caught:
             raise life.failure or SessionClosed("the session closed during an operation")
-        self.done += 1
+        self._done += 1
 
     def counted(self) -> None:
         """An operation that ran outside :meth:`operation` (a sharded checkpoint's gather) completed."""
-        self.done += 1
+        self._done += 1
 
     async def collective_job(self, comm: WorkerThread, job: Callable[[], Any], what: str, step: int) -> Any:
         """Run a collective in the communication thread, after anything it already holds, within ``sync_timeout``.

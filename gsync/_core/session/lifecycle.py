@@ -85,24 +85,45 @@ class SessionLife:
         self._on_idle_failure = on_idle_failure
         self._state = Lifecycle()
         self.workers = SessionWorkers(abort)
-        self.loop: LoopHandle | None = None
-        self.topology = Topology(local_devices=len(settings.devices))
-        """The world's shape: this process's devices, and (once joined) its rank among the processes."""
-        self.failure: BaseException | None = None
-        """What closed the session, if it did not end normally."""
-        self.cancellation: BaseException | None = None
-        """The cancellation of a call that closed the session (peers hear of it rather than of the failure)."""
-        self.undelivered: BaseException | None = None
-        """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
+        self._loop: LoopHandle | None = None
+        self._topology = Topology(local_devices=len(settings.devices))
+        self._failure: BaseException | None = None
+        self._cancellation: BaseException | None = None
+        self._undelivered: BaseException | None = None
         self.end_requested = anyio.Event()
         """Set when the session should end: closed by its user, or failed (the service then leaves the task group)."""
-        self.rng_before_resume: dict[str, Any] | None = None
+        self._rng_before_resume: dict[str, Any] | None = None
         self._settled = anyio.Event()
         self._checkpoint_attempted: set[int] = set()
         self._ending_for_change = False
         self._cancel_call: Callable[[], bool] = lambda: False
 
     # -- what the core asks ---------------------------------------------------------
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What closed the session, if it did not end normally."""
+        return self._failure
+
+    @property
+    def cancellation(self) -> BaseException | None:
+        """The cancellation of a call that closed the session (peers hear of it rather than of the failure)."""
+        return self._cancellation
+
+    @property
+    def undelivered(self) -> BaseException | None:
+        """A failure settled while no operation ran, not yet raised to anyone (the next call or the close raises it)."""
+        return self._undelivered
+
+    @property
+    def loop(self) -> LoopHandle | None:
+        """The loop the session runs on, once started."""
+        return self._loop
+
+    @property
+    def topology(self) -> Topology:
+        """The world's shape: this process's devices, and (once joined) its rank among the processes."""
+        return self._topology
 
     @property
     def state(self) -> SessionState:
@@ -135,19 +156,19 @@ class SessionLife:
 
     def cancelled(self, cancellation: BaseException) -> None:
         """A call was cancelled midway: the session fails closed, and peers hear of the (first) cancellation."""
-        if self.cancellation is None:
-            self.cancellation = cancellation
+        if self._cancellation is None:
+            self._cancellation = cancellation
         self.fail(SessionClosed("a call of this session was cancelled midway, so the session is closed"))
 
     def take_rng_before_resume(self) -> dict[str, Any] | None:
         """The generators as they were before the checkpoint's were restored, once (a resumed fit's replay reads
         its data with them)."""
-        state, self.rng_before_resume = self.rng_before_resume, None
+        state, self._rng_before_resume = self._rng_before_resume, None
         return state
 
     def take_undelivered(self) -> BaseException | None:
         """The failure settled while no operation ran, once: whoever takes it raises or logs it."""
-        undelivered, self.undelivered = self.undelivered, None
+        undelivered, self._undelivered = self._undelivered, None
         return undelivered
 
     def request_end(self) -> None:
@@ -165,8 +186,8 @@ class SessionLife:
         """Close the session for good because of ``error`` (raised by the caller)."""
         self._abort.set()
         self.request_end()
-        if self.failure is None:
-            self.failure = error
+        if self._failure is None:
+            self._failure = error
             if isinstance(error, GsyncError) and error.checkpoint is None:
                 self._attach_checkpoint(error)
         return error
@@ -176,7 +197,7 @@ class SessionLife:
     async def start(self) -> None:
         """Join the peers, take or copy the replicas, start together, and build the workers."""
         settings = self._settings
-        self.loop = loop = LoopHandle()
+        self._loop = loop = LoopHandle()
         if settings.distributed:
             await self._peers.join(settings, self._elastic, loop, self._process_local)
         # Planned from the model itself, so a model with nothing to train is refused first.
@@ -195,7 +216,7 @@ class SessionLife:
         if runtime is not None:
             await self._peers.start_together([r.module for r in replicas], broadcast=not self._agreed_start)
         parts = self.workers.build(settings, self._recipe, plan, replicas, runtime, loop, self._process_local)
-        self.topology = parts.topology
+        self._topology = parts.topology
         if held is not None:
             for actor in parts.actors:
                 actor.update.holds(held.step)
@@ -205,13 +226,13 @@ class SessionLife:
         if resume is not None and resume.rng_state is not None:
             # A loop of the user's continues from the checkpoint's generators (its next batch is drawn from them);
             # a fit that replays its data first rewinds to these, as the interrupted run read its data with them.
-            self.rng_before_resume = capture_rng([spec.torch_device for spec in settings.devices if spec.torch_device.type == "cuda"])
+            self._rng_before_resume = capture_rng([spec.torch_device for spec in settings.devices if spec.torch_device.type == "cuda"])
             restore_checkpoint_rng(resume)
         if self._state.state is SessionState.OPENING:  # nothing ended it while it started
             self._state.move(SessionState.IDLE)
         logger.info(
             "gsync: session on %s (rank %d of %d), %d bucket(s) of %s MiB for %d parameter tensors",
-            ", ".join(spec.name for spec in settings.devices), self.topology.rank, self.topology.world_size,
+            ", ".join(spec.name for spec in settings.devices), self._topology.rank, self._topology.world_size,
             len(plan.buckets), "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
         )
 
@@ -232,7 +253,7 @@ class SessionLife:
             if is_cancellation(errors):
                 self._settled.set()
                 raise
-            closed_already = self.failure is not None
+            closed_already = self._failure is not None
             self._state.move(SessionState.FAILING)
             try:
                 failure = await self._settle(errors)
@@ -249,7 +270,7 @@ class SessionLife:
             return  # the operation raises the failure
         if runtime is not None and runtime.elastic and recoverable(failure):
             return  # the membership changes between calls: the next call waits for the next generation
-        self.undelivered = failure
+        self._undelivered = failure
         if self._on_idle_failure is not None:
             self._on_idle_failure()
         raise failure
@@ -339,5 +360,5 @@ class SessionLife:
         built = workers.built
         whole = built is not None and workers.torn_down and not workers.left_behind
         return hold_replicas(
-            workers.actors, None if built is None else built.buffers, self.failure, self._first_step, finish, whole=whole
+            workers.actors, None if built is None else built.buffers, self._failure, self._first_step, finish, whole=whole
         )

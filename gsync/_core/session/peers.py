@@ -88,8 +88,7 @@ class PeerLink:
     def __init__(self, session: SessionView, abort: threading.Event) -> None:
         self._session = session
         self._abort = abort
-        self.runtime: ProcessGroupRuntime | None = None
-        """The process group's side of the session, once joined (``None`` in one process)."""
+        self._runtime: ProcessGroupRuntime | None = None
         self._setup: WorkerThread | None = None
         self._watcher: ReformWatcher | None = None
         self._news: list[_News] = []  # first news first
@@ -98,6 +97,11 @@ class PeerLink:
         self._reported: BaseException | None = None
         self._waiting_in: str | None = None
 
+    @property
+    def runtime(self) -> ProcessGroupRuntime | None:
+        """The process group's side of the session, once joined (``None`` in one process)."""
+        return self._runtime
+
     # -- joining -------------------------------------------------------------------
 
     async def join(self, settings: EngineSettings, elastic: ElasticMembership | None, loop: LoopHandle, process_local: bool) -> None:
@@ -105,7 +109,7 @@ class PeerLink:
         self._setup = setup = WorkerThread("gsync-dist", loop)
         generation = elastic.generation if elastic is not None else None
         abort = self._abort
-        self.runtime = runtime = await setup.run(
+        self._runtime = runtime = await setup.run(
             lambda: ProcessGroupRuntime.start(
                 settings.process_group if generation is None else generation.group,
                 settings.store if generation is None else generation.store,
@@ -169,7 +173,7 @@ class PeerLink:
             failed and no peer can be named.
         :raises ~gsync.ConfigError: on every rank, when they differ in parameters or in the step they resume from.
         """
-        runtime, setup = self.runtime, self._setup
+        runtime, setup = self._runtime, self._setup
         if runtime is None or setup is None:
             raise RuntimeError("a start with peers needs the process group joined")
         first_step = self._session.first_step
@@ -258,7 +262,7 @@ class PeerLink:
 
     async def report(self, failure: BaseException) -> None:
         """Tell the other ranks why this rank's session is ending, unless it was because of them."""
-        runtime = self.runtime
+        runtime = self._runtime
         if runtime is None or failure is self._reported or (isinstance(failure, PeerFailed) and not isinstance(failure, PeerLost)):
             return
         if runtime.elastic and recoverable(failure):
@@ -271,7 +275,7 @@ class PeerLink:
 
     async def announce_departure(self) -> None:
         """Tell the other ranks this one left its session normally, after how many operations."""
-        runtime = self.runtime
+        runtime = self._runtime
         session = self._session
         if runtime is None or session.change_due:
             # An elastic generation ending for a change every rank agreed on: nobody's loop went apart.
@@ -286,7 +290,7 @@ class PeerLink:
 
     async def blame(self, failure: GsyncError) -> GsyncError:
         """``failure`` (a collective's), or the peer its heartbeat or report names instead; bounded."""
-        runtime = self.runtime
+        runtime = self._runtime
         if runtime is None:
             return failure
         blamed: GsyncError = await self.in_setup(lambda: runtime.blame_peer(failure), failure)
@@ -315,8 +319,8 @@ class PeerLink:
 
     async def close(self) -> None:
         """Leave the process group and stop the setup thread (shielded by the caller)."""
-        if self.runtime is not None:
-            await self.in_setup(self.runtime.close, None)
+        if self._runtime is not None:
+            await self.in_setup(self._runtime.close, None)
         if self._setup is not None:
             self._setup.stop()
             await self._setup.join(_SETUP_GRACE_S)

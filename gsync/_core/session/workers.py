@@ -45,8 +45,7 @@ class SessionWorkers:
         self._abort = abort
         self._assembly: Assembly | None = None
         self._torn_down = False
-        self.left_behind: list[str] = []
-        """The threads that did not stop within their grace at teardown (daemons, stuck in native code)."""
+        self._left_behind: list[str] = []
 
     def build(
         self,
@@ -77,6 +76,11 @@ class SessionWorkers:
     def actors(self) -> list[DeviceActor]:
         """The local devices' actors (none before they are built)."""
         return [] if self._assembly is None else self._assembly.actors
+
+    @property
+    def left_behind(self) -> list[str]:
+        """The threads that did not stop within their grace at teardown (daemons, stuck in native code)."""
+        return list(self._left_behind)
 
     @property
     def torn_down(self) -> bool:
@@ -137,13 +141,13 @@ class SessionWorkers:
             parts.server.close()
             workers.append(parts.server.comm)
         deadline = time.monotonic() + THREAD_GRACE_S
-        self.left_behind = [worker.name for worker in workers if not await worker.join(max(0.0, deadline - time.monotonic()))]
-        if self.left_behind:
-            where = ", ".join(f"{actor.name} ({actor.where})" for actor in actors if actor.worker.name in self.left_behind)
+        self._left_behind = [worker.name for worker in workers if not await worker.join(max(0.0, deadline - time.monotonic()))]
+        if self._left_behind:
+            where = ", ".join(f"{actor.name} ({actor.where})" for actor in actors if actor.worker.name in self._left_behind)
             logger.warning(
                 "gsync: thread(s) %s did not stop within %.1f s and are left behind (daemon threads, stuck in %s); "
                 "they end at their job's next phase boundary, or with the process",
-                ", ".join(self.left_behind), THREAD_GRACE_S, where or "a collective",
+                ", ".join(self._left_behind), THREAD_GRACE_S, where or "a collective",
             )
         if parts is not None:
             parts.collective.close()
