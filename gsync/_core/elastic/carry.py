@@ -54,7 +54,7 @@ class OperationLog:
 
     def completed(self, after: int, kind: str, result: Any) -> None:
         """An operation of ``kind`` returned ``result`` after step ``after``; a copy of it is kept (the caller may
-        change what it was given), on the CPU."""
+        change what it was given), where it is: a GPU tensor is copied on its device, with no wait for it here."""
         if after != self._after:
             self._after, self._done = after, 0
         self._done += 1
@@ -98,7 +98,7 @@ class OperationLog:
 def _copied(result: Any) -> Any:
     """``result`` (an evaluation's metrics, an all_reduce's number or tensor) as a copy nothing else holds."""
     if isinstance(result, torch.Tensor):
-        return result.detach().to("cpu", copy=True)
+        return result.detach().clone()
     if isinstance(result, dict):
         return {key: _copied(value) for key, value in result.items()}
     return result

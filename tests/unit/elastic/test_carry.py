@@ -59,7 +59,7 @@ def test_the_last_result_of_a_step_with_no_operations_is_a_bug_not_a_value() -> 
         log.last(2)
 
 
-def test_the_result_kept_is_a_copy_the_caller_cannot_change_and_a_tensor_is_kept_on_the_cpu() -> None:
+def test_the_result_kept_is_a_copy_the_caller_cannot_change() -> None:
     log = OperationLog()
     metrics = {"loss": 1.0}
     total = torch.ones(3, requires_grad=True) * 2
