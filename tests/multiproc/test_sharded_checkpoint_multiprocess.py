@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,21 @@ def ranks_checkpoint(directory: str) -> dict[str, Any]:
     """Each rank: a sharded 2 x 2 fit writing files, a sharded 2 x 1 fit resumed from the middle one, a sharded
     session's checkpoint, and a failure."""
     out: dict[str, Any] = {}
+    from gsync._core.session import core
+
+    gathered_in: list[str] = []
+    gather = core.gather_whole_state
+
+    def gather_noting_its_thread(*args: Any) -> Any:
+        gathered_in.append("the event loop's" if threading.current_thread() is threading.main_thread() else "a worker")
+        return gather(*args)
+
+    core.gather_whole_state = gather_noting_its_thread  # type: ignore[assignment]  # the real gather, its thread noted
 
     async def run() -> None:
         result = await fit(["cpu:0", "cpu:1"], True, checkpoint_dir=Path(directory))
         out["fit"] = (result.checkpoint, result.first_step)
+        out["fit_gathered_in"] = list(gathered_in)
         resumed = await fit(["cpu"], True, resume=Path(directory) / f"step-{RESUME_AT:08d}.pt")
         out["resumed"] = (result_state(resumed), resumed.first_step)
         out["session"] = await session_checkpoint(["cpu"], True)
@@ -168,6 +180,16 @@ def test_its_files_resume_unsharded_sharded_again_and_on_another_device_count(
         resumed = asyncio.run(fit(devices, shard, resume=middle))
         assert resumed.first_step == RESUME_AT + 1
         assert_same_state(result_state(resumed), expected, f"resumed on {len(devices)} devices, shard_optimizer={shard}")
+
+
+@pytest.mark.timeout(300)
+def test_a_fits_gathers_leave_the_event_loop_free(ranks: tuple[Path, list[Any]]) -> None:
+    """Each due file and the fit's last checkpoint are gathered from every rank in a worker thread, while the
+    event loop goes on (other tasks of the program run meanwhile)."""
+    _directory, outs = ranks
+    for rank, out in enumerate(outs):
+        # Files after steps 1, 3 and 5, and the checkpoint FitResult carries.
+        assert out["fit_gathered_in"] == ["a worker"] * 4, (rank, out["fit_gathered_in"])
 
 
 @pytest.mark.timeout(300)

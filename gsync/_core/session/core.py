@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 import torch
 from torch import nn
 
@@ -245,32 +246,68 @@ class SessionCore:
         With ``shard_optimizer=True`` across processes it is a collective, called on the event loop: every
         rank takes it between the same steps, and the other ranks' slices of the optimizer state are gathered
         in the communication thread while the loop waits (see
-        :mod:`~gsync._core.session.sharded_checkpoint`). It counts as one of the session's operations; a
-        failed gather fails the session.
+        :mod:`~gsync._core.session.sharded_checkpoint`; :meth:`checkpoint_off_loop` leaves the loop free). It
+        counts as one of the session's operations; a failed gather fails the session.
 
         :raises ~gsync.CheckpointError: when the ranks' optimizer states do not make a whole one.
         """
         self._calls.check_now("checkpoint")
-        actor = self._actors[0]
+        gather = self._gather()
+        if gather is None:
+            return self._capture(None)
+        try:
+            whole = gather()
+        except BaseException as error:
+            raise self._gather_failed(error) from None
+        return self._capture(self._gathered(whole))
+
+    async def checkpoint_off_loop(self) -> Checkpoint:
+        """:meth:`checkpoint`, its copy (and a sharded run's gather across processes) in a worker thread, so that
+        the event loop stays free meanwhile (what a fit takes between its steps)."""
+        self._calls.check_now("checkpoint")
+        gather = self._gather()
+        if gather is None:
+            return await anyio.to_thread.run_sync(self._capture, None)
+        try:
+            whole = await anyio.to_thread.run_sync(gather)
+        except BaseException as error:
+            raise self._gather_failed(error) from None
+        return await anyio.to_thread.run_sync(self._capture, self._gathered(whole))
+
+    def _gather(self) -> Callable[[], dict[int, dict[str, Any]]] | None:
+        """A sharded run's gather of the whole optimizer state across processes (``None`` when there is none to
+        make); from now on this rank waits in a collective, as its heartbeat says."""
         sharding = self._parts.context.sharding
         runtime = self._peers.runtime
-        whole: dict[int, dict[str, Any]] | None = None
-        if sharding is not None and runtime is not None:
-            left = self._peers.departed_before(self._calls.done)
-            if left is not None:
-                raise self._life.fail(peer_failed(left))
-            self._peers.waiting("checkpoint")  # the heartbeat says this rank waits in a collective
-            try:
-                whole = gather_whole_state(sharding, runtime, self._peers.setup, self._next_step - 1)
-            except CheckpointError:
-                self._peers.waiting(None)
-                self._calls.counted()  # every rank took part, and raises it
-                raise
-            except GsyncError as error:
-                # The ranks' collectives no longer match: the session fails, as after a failed all_reduce.
-                raise self._life.fail(error)
+        if sharding is None or runtime is None:
+            return None
+        left = self._peers.departed_before(self._calls.done)
+        if left is not None:
+            raise self._life.fail(peer_failed(left))
+        self._peers.waiting("checkpoint")
+        setup, step = self._peers.setup, self._next_step - 1
+        return lambda: gather_whole_state(sharding, runtime, setup, step)
+
+    def _gathered(self, whole: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        self._peers.waiting(None)
+        self._calls.counted()
+        return whole
+
+    def _gather_failed(self, error: BaseException) -> BaseException:
+        """What a failed gather raises: a refusal every rank made (the session goes on), or the session's failure."""
+        if isinstance(error, CheckpointError):
             self._peers.waiting(None)
-            self._calls.counted()
+            self._calls.counted()  # every rank took part, and raises it
+            return error
+        if isinstance(error, GsyncError):
+            # The ranks' collectives no longer match: the session fails, as after a failed all_reduce.
+            return self._life.fail(error)
+        return error
+
+    def _capture(self, whole: dict[int, dict[str, Any]] | None) -> Checkpoint:
+        """The checkpoint of the first replica; a sharded optimizer's state is ``whole`` when gathered."""
+        actor = self._actors[0]
+        sharding = self._parts.context.sharding
         # The optimizer's state_dict() is the gathered whole state while it is held.
         with sharding.holding(whole) if sharding is not None and whole is not None else contextlib.nullcontext():
             checkpoint = Checkpoint.capture(

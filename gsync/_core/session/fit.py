@@ -177,16 +177,13 @@ async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | No
 
 def checkpoint_gathers(core: SessionCore) -> bool:
     """A ``shard_optimizer=True`` run across processes: each rank holds part of the optimizer state, and a
-    checkpoint is a collective every rank takes at the same step (on the event loop: see
-    :meth:`SessionCore.checkpoint`)."""
+    checkpoint is a collective every rank takes at the same step (see :meth:`SessionCore.checkpoint`)."""
     return core.checkpoint_gathers
 
 
 async def _capture(core: SessionCore) -> Checkpoint:
-    """The session's checkpoint, its copy in a thread off the event loop (where it is no collective)."""
-    if checkpoint_gathers(core):
-        return core.checkpoint()
-    return await anyio.to_thread.run_sync(core.checkpoint)
+    """The session's checkpoint, its copy (and gather) in a thread off the event loop."""
+    return await core.checkpoint_off_loop()
 
 
 class _FitLoop:
@@ -408,8 +405,8 @@ class _FitLoop:
                 and (self.core.rank == 0 or checkpoint_gathers(self.core))
                 and self.writer.due(result.step)
             ):
-                # Copied between steps, on the loop (gathered from every rank when sharded across processes).
-                due = replace(self.core.checkpoint(), data_position=position)
+                # Copied between steps, in a thread (gathered from every rank when sharded across processes).
+                due = replace(await _capture(self.core), data_position=position)
         try:
             if result is not None:
                 await self.call("on_step_end", self.session, result)
