@@ -77,6 +77,8 @@ class CallGate:
         state = life.state
         if state in (SessionState.FAILING, SessionState.FAILED):
             raise SessionClosed(f"{what}() while the session closes after a failure; the next call (or aclose) raises it")
+        if state is SessionState.CHANGING:
+            raise SessionClosed(f"{what}() on a generation whose membership is changing; the next generation takes it")
         if state in (SessionState.CLOSING, SessionState.CLOSED):
             raise SessionClosed(f"{what}() after the session was closed; open a new session")
         if state is SessionState.OPENING:

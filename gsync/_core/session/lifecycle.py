@@ -95,7 +95,6 @@ class SessionLife:
         self._rng_before_resume: dict[str, Any] | None = None
         self._settled = anyio.Event()
         self._checkpoint_attempted: set[int] = set()
-        self._ending_for_change = False
         self._cancel_call: Callable[[], bool] = lambda: False
 
     # -- what the core asks ---------------------------------------------------------
@@ -177,10 +176,10 @@ class SessionLife:
         self.end_requested.set()
 
     def end_for_change(self) -> None:
-        """End for a membership change every rank agreed on: the next generation goes on with the replicas, so the
-        model passed in is not written back."""
-        self._ending_for_change = True
-        self.request_end()
+        """End for a membership change every rank agreed on, between calls: the next generation goes on with the
+        replicas, so the model passed in is not written back."""
+        self._state.move(SessionState.CHANGING)
+        self.end_requested.set()
 
     def fail(self, error: BaseException) -> BaseException:
         """Close the session for good because of ``error`` (raised by the caller)."""
@@ -326,7 +325,7 @@ class SessionLife:
         A copy of every parameter and buffer, in a thread: not on the event loop.
         """
         actors = self.workers.actors
-        if not actors or self._ending_for_change:
+        if not actors or self._state.state is SessionState.CHANGING:
             return  # a membership change: the next generation goes on with the replicas
         replica, model = actors[0].replica, self._model
 

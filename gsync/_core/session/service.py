@@ -288,7 +288,8 @@ class SessionService:
         """
         if self.elastic is None:
             return core
-        if core.change_due and core.usable and self.core is core and not self.closing:
+        # Made between calls: with a call of another task in flight, that call's own refusal is what this one meets.
+        if core.change_due and core.state is SessionState.IDLE and core.failure is None and self.core is core and not self.closing:
             if self.elastic.leaving:
                 await self._depart(core)
             else:

@@ -3,11 +3,13 @@
 ::
 
     OPENING ──► IDLE ◄──► OPERATING
-       │         │  ╲        │  ╲
-       │         │   ╲───────┼───► CLOSING ──► CLOSED
-       │         ▼           ▼        │          ▲
-       └──────► FAILING ◄─────────────┘          │
-                   └──► FAILED ──────────────────┘
+       │         │  ╲  ╲       │  ╲
+       │         │   ╲  ╲──────┼───► CLOSING ──► CLOSED
+       │         │    ╲        │        │        ▲  ▲
+       │         │     ╲──► CHANGING ───┼────────┘  │
+       │         ▼           ▼  │       │           │
+       └──────► FAILING ◄───────┴───────┘           │
+                   └──► FAILED ─────────────────────┘
 
 What each state answers, asked by the operations, the peers protocol and
 the service:
@@ -21,9 +23,13 @@ the service:
   settled (threads stopped, the failure picked, reported, checkpointed); a
   call waits for it and raises it.
 - ``FAILED``: settled; calls raise the failure once, then ``SessionClosed``.
+- ``CHANGING``: every rank agreed to change an elastic run's membership
+  after the last step: this generation's core ends, and the next one goes
+  on with its replicas (the model passed in is not written back); no call
+  starts on this core.
 - ``CLOSING``: its end was asked for (``aclose``, a drop, a failure an
-  operation chose, a membership change): no call starts, though the
-  session has not ended yet.
+  operation chose, a departure): no call starts, though the session has
+  not ended yet.
 - ``CLOSED``: everything it started has stopped.
 
 A transition the design does not allow is a bug in gsync, raised as
@@ -44,6 +50,7 @@ class SessionState(enum.Enum):
     OPERATING = "operating"
     FAILING = "failing"
     FAILED = "failed"
+    CHANGING = "changing membership"
     CLOSING = "closing"
     CLOSED = "closed"
 
@@ -52,12 +59,14 @@ _S = SessionState
 ALLOWED: Mapping[SessionState, frozenset[SessionState]] = {
     # A start may fail (its collectives, a peer), be closed while it runs, or be cut short by a cancellation.
     _S.OPENING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING, _S.CLOSED}),
-    _S.IDLE: frozenset({_S.OPERATING, _S.FAILING, _S.CLOSING}),
+    # A change every rank agreed on is made between calls.
+    _S.IDLE: frozenset({_S.OPERATING, _S.FAILING, _S.CHANGING, _S.CLOSING}),
     _S.OPERATING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING}),
     # Closed from FAILING only when a cancellation cuts the settling short: teardown still runs.
     _S.FAILING: frozenset({_S.FAILED, _S.CLOSED}),
     _S.FAILED: frozenset({_S.CLOSED}),
     # Devices that fail while a close winds them down are settled as any failure is.
+    _S.CHANGING: frozenset({_S.FAILING, _S.CLOSED}),
     _S.CLOSING: frozenset({_S.FAILING, _S.CLOSED}),
     _S.CLOSED: frozenset(),
 }

@@ -19,6 +19,7 @@ def reach(state: SessionState) -> Lifecycle:
         S.OPERATING: [S.IDLE, S.OPERATING],
         S.FAILING: [S.IDLE, S.FAILING],
         S.FAILED: [S.IDLE, S.FAILING, S.FAILED],
+        S.CHANGING: [S.IDLE, S.CHANGING],
         S.CLOSING: [S.IDLE, S.CLOSING],
         S.CLOSED: [S.IDLE, S.CLOSING, S.CLOSED],
     }
@@ -67,7 +68,7 @@ def test_asking_for_the_end_of_a_serving_session_makes_it_closing(state: Session
     assert life.state is S.CLOSING
 
 
-@pytest.mark.parametrize("state", [S.FAILING, S.FAILED, S.CLOSING, S.CLOSED])
+@pytest.mark.parametrize("state", [S.FAILING, S.FAILED, S.CHANGING, S.CLOSING, S.CLOSED])
 def test_asking_for_the_end_of_a_failing_or_ending_session_changes_nothing(state: SessionState) -> None:
     life = reach(state)
     life.end_asked()
