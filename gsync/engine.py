@@ -338,7 +338,9 @@ class Engine:
 
         A call of that session running in another task, a fit included, is
         ended with :class:`~gsync.SessionClosed` and the model left as it
-        was. Finishes even if the calling task is cancelled meanwhile.
+        was. Finishes even if the calling task is cancelled meanwhile. A
+        failure settled while no call ran is raised here; a membership change
+        under way finishes first (see :meth:`gsync.Session.aclose`).
 
         :raises: what :meth:`gsync.Session.aclose` raises: a failure that no call has raised yet.
         """

@@ -417,7 +417,10 @@ class Session:
         model is left as it was. From the moment the close begins, every
         call raises :class:`~gsync.SessionClosed`. Closing finishes even if
         the calling task is cancelled meanwhile; that cancellation is raised
-        once the session is down.
+        once the session is down. In an elastic run, a close that comes while
+        the membership changes lets the change finish and then leaves without
+        serving the new membership (its other members see this rank gone and
+        change again).
 
         :raises ~gsync.PeerLost: or whichever failure ended the session while
             no call ran, if no call has raised it yet (with ``last_step`` and
