@@ -430,3 +430,26 @@ async def test_a_failure_nobody_raised_is_logged_when_its_session_is_dropped(cap
         del session
         gc.collect()
     assert any("SyncFailed" in record.getMessage() and "protocol error" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_core_ended_for_a_membership_change_refuses_calls_and_leaves_the_model_to_the_next_generation(
+    no_leaks: None,
+) -> None:
+    # What an elastic run's service does between calls once every rank agreed to change (a knock, a departure):
+    # the generation's core moves to CHANGING and ends; its replicas go on in the next generation, so the model
+    # passed in is not written back (here, with no next generation, it is left as it was).
+    torch.manual_seed(0)
+    model = TiedNet()
+    before = copy.deepcopy(model)
+    session = await gsync.Engine(TWO).session(model, **RECIPE)
+    await session.step(make_batches(1, 31)[0])
+    core = session._core
+    core.end_for_change()
+    assert core.state is SessionState.CHANGING and not core.usable
+    with pytest.raises(gsync.SessionClosed, match="membership is changing"):
+        await core.step(make_batches(1, 31), last=False)
+    await session.aclose()
+    assert core.state is SessionState.CLOSED
+    assert_same_state(model, before)
