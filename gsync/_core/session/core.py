@@ -220,7 +220,7 @@ class SessionCore:
         return self._life.take_undelivered()
 
     def request_end(self) -> None:
-        """End the session (a close, a drop, a planned membership change): no call starts from now on."""
+        """End the session (a close, a drop, a departure): no call starts from now on."""
         self._life.request_end()
 
     def end_for_change(self) -> None:

@@ -171,7 +171,7 @@ class SessionLife:
         return undelivered
 
     def request_end(self) -> None:
-        """End the session (a close, a drop, a planned membership change): no call starts from now on."""
+        """End the session (a close, a drop, a departure): no call starts from now on."""
         self._state.end_asked()
         self.end_requested.set()
 
