@@ -28,7 +28,11 @@ logger = logging.getLogger("gsync")
 THREADS_PER_THREAD = "ATen parallel backend: OpenMP" in torch.__config__.parallel_info()
 """Each thread can run torch's kernels on its own number of intra-op threads (OpenMP's per-thread count)."""
 
-__all__ = ("FitAborted", "JobTimedOut", "LoopEvent", "LoopHandle", "Outcome", "WorkerThread")
+__all__ = ("THREAD_GRACE_S", "FitAborted", "JobTimedOut", "LoopEvent", "LoopHandle", "Outcome", "WorkerThread")
+
+THREAD_GRACE_S = 0.5
+"""How long an ending session waits for a worker thread to finish its current job before leaving it behind (a
+daemon that stops at its job's next phase boundary, or with the process)."""
 
 
 class LoopEvent(Protocol):

@@ -24,7 +24,7 @@ import anyio
 import torch
 from anyio.abc import ObjectSendStream
 
-from ..threads import LoopHandle, WorkerThread
+from ..threads import THREAD_GRACE_S, LoopHandle, WorkerThread
 from ...errors import ConfigError, DataFailed, GsyncError, InputTypeError
 
 __all__ = (
@@ -40,8 +40,6 @@ __all__ = (
 )
 
 _END = object()
-# How long a reader waits for its data thread to finish the current read at the end.
-_THREAD_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -187,7 +185,7 @@ class BatchReader:
         """End the worker thread, if one was started, after the read it may be in (waited for briefly)."""
         if self._worker is not None:
             self._worker.stop()
-            await self._worker.join(_THREAD_GRACE_S)
+            await self._worker.join(THREAD_GRACE_S)
 
 
 class Feeder:

@@ -85,15 +85,11 @@ def agree_state(
 
 def _send_state(group: dist.ProcessGroup, source: int, best: int, mine: HeldState | None, abort: threading.Event) -> HeldState:
     """``source``'s state, sent to every member; a member as advanced as ``best`` goes on with its own."""
-    length = torch.empty(1, dtype=torch.int64)
     if group.rank() == source and mine is not None:
-        data = torch.frombuffer(bytearray(encode_state(mine.checkpoint())), dtype=torch.uint8)
-        length.fill_(data.numel())
-        wait_work(broadcast_from(length, group, source), abort)
-        wait_work(broadcast_from(data, group, source), abort)
+        _send(group, encode_state(mine.checkpoint()), abort)
         return mine
     what = f"the state sent by the new membership's rank {source}"
-    received = _receive(group, source, length, what, abort)
+    received = _receive(group, source, what, abort)
     if mine is not None and mine.step == best:
         # As advanced as the sender (a joiner or a member behind needed its state): this member's own replicas go
         # on, as they would had nobody needed it.
@@ -105,17 +101,13 @@ def _hand_result(
     group: dist.ProcessGroup, source: int, last: tuple[str, Any] | None, abort: threading.Event
 ) -> tuple[str, Any]:
     """The kind and result of ``source``'s last operation (``last``, on ``source``), as every member reads it."""
-    length = torch.empty(1, dtype=torch.int64)
     what = f"the result of an operation sent by the new membership's rank {source}"
     if last is not None:
         buffer = io.BytesIO()
         torch.save({"kind": last[0], "result": last[1]}, buffer)
-        data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-        length.fill_(data.numel())
-        wait_work(broadcast_from(length, group, source), abort)
-        wait_work(broadcast_from(data, group, source), abort)
+        _send(group, buffer.getvalue(), abort)
         return last
-    received = _receive(group, source, length, what, abort)
+    received = _receive(group, source, what, abort)
     try:
         payload = torch.load(io.BytesIO(received), map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - an unpickler refusing, or garbage: all sorts
@@ -125,8 +117,16 @@ def _hand_result(
     return payload["kind"], payload["result"]
 
 
-def _receive(group: dist.ProcessGroup, source: int, length: torch.Tensor, what: str, abort: threading.Event) -> bytearray:
-    """The bytes ``source`` broadcasts, after their length."""
+def _send(group: dist.ProcessGroup, payload: bytes, abort: threading.Event) -> None:
+    """Broadcast ``payload`` from this member, its length first (what :func:`_receive` reads)."""
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    wait_work(broadcast_from(torch.tensor([data.numel()], dtype=torch.int64), group, group.rank()), abort)
+    wait_work(broadcast_from(data, group, group.rank()), abort)
+
+
+def _receive(group: dist.ProcessGroup, source: int, what: str, abort: threading.Event) -> bytearray:
+    """The bytes ``source`` broadcasts (:func:`_send`), after their length."""
+    length = torch.empty(1, dtype=torch.int64)
     wait_work(broadcast_from(length, group, source), abort)
     nbytes = int(length.item())
     if nbytes <= 0:

@@ -25,7 +25,7 @@ from ..distributed.heartbeat import DevicePosition, Whereabouts, locate
 from ..distributed.runtime import ProcessGroupRuntime
 from ..elastic.recovery import MembershipBroken, recoverable
 from ..elastic.watcher import ReformWatcher
-from ..threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
+from ..threads import THREAD_GRACE_S, FitAborted, LoopEvent, LoopHandle, WorkerThread
 from .state import SessionState
 
 if TYPE_CHECKING:
@@ -40,8 +40,6 @@ logger = logging.getLogger("gsync")
 
 # Upper bound on reporting a failure to other ranks and closing a process group.
 DIST_TEARDOWN_S = 10.0
-# How long the close waits for the setup thread to finish its last job.
-_SETUP_GRACE_S = 0.5
 # The error type a rank publishes when it leaves its session normally.
 DEPARTED = "SessionClosed"
 # News from an elastic run's watcher: the membership is changing, and this generation's step ends.
@@ -323,7 +321,7 @@ class PeerLink:
             await self.in_setup(self._runtime.close, None)
         if self._setup is not None:
             self._setup.stop()
-            await self._setup.join(_SETUP_GRACE_S)
+            await self._setup.join(THREAD_GRACE_S)
 
     @property
     def setup(self) -> WorkerThread | None:

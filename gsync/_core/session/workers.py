@@ -22,20 +22,15 @@ from ..state.replicas import Replica
 from ..step.actor import DeviceActor
 from ..step.context import Recipe
 from ..step.messages import Close
-from ..threads import LoopHandle, WorkerThread
+from ..threads import THREAD_GRACE_S, LoopHandle, WorkerThread
 from ..distributed.runtime import ProcessGroupRuntime
 from ..gradients.buckets import BucketPlan
 from ..settings import EngineSettings
 from .assembly import Assembly, assemble
 
-__all__ = ("THREAD_GRACE_S", "SessionWorkers")
+__all__ = ("SessionWorkers",)
 
 logger = logging.getLogger("gsync")
-
-# How long teardown waits for worker threads to finish their current job
-# before leaving them (they are daemons and stop at their next phase boundary
-# or gradient hook).
-THREAD_GRACE_S = 0.5
 
 
 class SessionWorkers:
