@@ -100,7 +100,7 @@ class Session:
 
     @property
     def _core(self) -> SessionCore:
-        """The core serving the session now: the service's (an elastic run's changes replace it)."""
+        """The session's core: one for its whole life, across an elastic run's membership changes."""
         return self._service.serving
 
     # -- what the session holds ------------------------------------------------------
@@ -226,7 +226,7 @@ class Session:
                 raise
 
     async def _after_change(self) -> SessionCore:
-        """The core serving the session now (an elastic run's change, if one is due, made first)."""
+        """The session's core, once it runs a generation a call can use (an elastic run's due change made first)."""
         return await self._service.serving_core()
 
     async def fit(

@@ -223,6 +223,9 @@ async def train(config: dict) -> dict:
         )
         membership = [change for change in result.membership]
         marks = [event.message for event in result.trace.select("membership")] if result.trace is not None else []
+        # The steps whose update this rank applied, on its one trace of the whole run.
+        traced = sorted({event.step for event in result.trace.select("optimizer")}) if result.trace is not None else []
+        stats_steps = result.stats.steps
         losses = result.losses
         first_step = result.first_step
     else:
@@ -236,7 +239,11 @@ async def train(config: dict) -> dict:
                 await probe.on_step_end(session, step)
         membership = []
         marks = []
+        traced = []
+        stats_steps = None
     return {
+        "traced_steps": traced,
+        "stats_steps": stats_steps,
         "marks": marks,
         "state": {name: tensor.detach().clone() for name, tensor in trained.state_dict().items()},
         "membership": [(c.step, c.lost, c.joined, c.world_size, c.seconds, c.reason) for c in membership],

@@ -172,6 +172,12 @@ def test_the_killed_rank_started_again_rejoins_and_all_three_end_equal() -> None
         # The survivors went on with their own replicas through both changes: the joiner was sent the state, and
         # the survivor that did not send it kept its own instead of loading what was sent.
         assert len(set(outcomes[name]["optimizer_ids"])) == 1, outcomes[name]["optimizer_ids"]
+        # One session core through both changes: one trace holds every step this rank applied and both changes,
+        # and the counters add up over the three memberships.
+        applied = len(outcomes[name]["world_sizes"])
+        assert outcomes[name]["marks"] == outcomes[name]["changes_seen"] and len(outcomes[name]["marks"]) == 2
+        assert len(outcomes[name]["traced_steps"]) == applied and outcomes[name]["traced_steps"][-1] == 13
+        assert outcomes[name]["stats_steps"] == applied
     joiner = outcomes[again]
     assert joiner["first_step"] == joiner["membership"][0][0] > 7
     assert joiner["world_sizes"] == [3] * len(joiner["world_sizes"])

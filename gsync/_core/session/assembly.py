@@ -40,7 +40,7 @@ from ...trace import Trace
 if TYPE_CHECKING:
     from ..settings import EngineSettings
 
-__all__ = ("Assembly", "assemble", "plan_buckets")
+__all__ = ("Assembly", "assemble", "plan_buckets", "session_trace")
 
 
 @dataclass
@@ -79,12 +79,15 @@ def assemble(
     abort: threading.Event,
     loop: LoopHandle,
     process_local_data: bool,
+    trace: Trace | None,
 ) -> Assembly:
-    """Every part of a session, wired together: actors, sync server, collective, streams, mailboxes."""
+    """Every part of a session, wired together: actors, sync server, collective, streams, mailboxes; recording
+    into the session's ``trace`` (one across an elastic run's generations)."""
     topology = runtime.topology if runtime is not None else Topology(local_devices=len(settings.devices))
     streams = make_stream_sync([spec.torch_device for spec in settings.devices], len(plan.buckets))
     collective = _collective(settings, runtime, topology, streams, abort)
-    trace = _trace(settings, topology)
+    if trace is not None:
+        trace.describe(topology.rank, topology.world_size, [spec.name for spec in settings.devices])
     buffers = BufferSync([replica.module for replica in replicas])
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
@@ -208,12 +211,9 @@ def _batch_stats(
     return exchange
 
 
-def _trace(settings: EngineSettings, topology: Topology) -> Trace | None:
-    # True or a file path: a fresh trace per session.
-    trace = settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
-    if trace is not None:
-        trace.describe(topology.rank, topology.world_size, [spec.name for spec in settings.devices])
-    return trace
+def session_trace(settings: EngineSettings) -> Trace | None:
+    """The trace a session records into: the engine's own ``Trace``, or (``True`` or a file path) a fresh one."""
+    return settings.trace if isinstance(settings.trace, Trace) else Trace() if settings.trace is not False else None
 
 
 def _context(

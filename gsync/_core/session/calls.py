@@ -30,8 +30,17 @@ __all__ = ("CallGate",)
 class CallGate:
     """The calls of one session: the one in flight, and how many completed."""
 
-    def __init__(self, life: SessionLife, peers: PeerLink, abort: threading.Event, sync_timeout: float) -> None:
+    def __init__(
+        self,
+        life: SessionLife,
+        peers: PeerLink,
+        abort: threading.Event,
+        sync_timeout: float,
+        changing: Callable[[], bool],
+    ) -> None:
         self._life = life
+        self._changing = changing
+        """Whether the session is between two generations of an elastic run (its core's, not this generation's)."""
         self._peers = peers
         self._abort = abort
         self._sync_timeout = sync_timeout
@@ -57,8 +66,15 @@ class CallGate:
         """Refuse ``what`` on a session that cannot take it (a failure not raised yet is raised, once).
 
         :raises ~gsync.SessionClosed: on a failed, closing or closed session, or one not open yet.
-        :raises ~gsync.ConfigError: while another call runs.
+        :raises ~gsync.ConfigError: while another call runs, or while an elastic run's membership changes.
         """
+        if self._changing():
+            # Reached only by what does not wait for the change (a read of the model, the optimizers, a
+            # checkpoint): the asynchronous calls wait for the next generation first.
+            raise ConfigError(
+                f"{what}() while the elastic run's membership is changing; the session goes on: await a call "
+                "(step, evaluate, all_reduce), which waits for the new membership, then try again"
+            )
         life = self._life
         undelivered = life.take_undelivered()
         if undelivered is not None:

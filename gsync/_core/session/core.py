@@ -12,9 +12,11 @@ It owns three parts, each with one job:
   sync server, threads;
 - its :class:`~gsync._core.session.peers.PeerLink`: the other ranks.
 
-:func:`open_session` is its life as one anyio task group;
-:mod:`gsync._core.session.service` runs that in a task of its own, so that
-the handle can be used from any task of the loop.
+:func:`run_generation` is the life of its parts as one anyio task group:
+once, or once per membership of an elastic run, the core itself staying
+(:meth:`SessionCore.next_generation`). :mod:`gsync._core.session.service`
+runs that in a task of its own, so that the handle can be used from any task
+of the loop.
 """
 
 from __future__ import annotations
@@ -49,25 +51,29 @@ from ..step.context import Recipe, Shard
 from ..step.messages import StepApplied, StepDispatched, StepLoss
 from ..threads import LoopEvent, LoopHandle
 from ..topology import Topology
-from ..trace_files import finish_trace
-from .assembly import Assembly
+from .assembly import Assembly, session_trace
 from .calls import CallGate
 from .lifecycle import SessionLife
 from .operations import ReduceOp, local_metric_sums, reduced_as
 from .outcome import first_failure, raised_by_block
 from .peers import PeerLink
 from .sharded_checkpoint import gather_whole_state
-from .state import SessionState
+from .state import LifecycleError, SessionState
 
 if TYPE_CHECKING:
     from ..elastic.membership import ElasticMembership
     from ..settings import EngineSettings
 
-__all__ = ("ReduceOp", "SessionCore", "open_session")
+__all__ = ("ReduceOp", "SessionCore", "run_generation")
 
 
 class SessionCore:
-    """One open session's state and calls; users reach it through :class:`gsync.Session`."""
+    """One session's state and calls for its whole life; users reach it through :class:`gsync.Session`.
+
+    In an elastic run it outlives every membership change: :meth:`next_generation` swaps what depends on the
+    process group (the peer link, the workers built over the group, the call gate) underneath, and the core
+    keeps its progress, its trace, its counters and the snapshot :attr:`gsync.Session.model` returns.
+    """
 
     def __init__(
         self,
@@ -80,7 +86,6 @@ class SessionCore:
         replay: bool | None = None,
         elastic: ElasticMembership | None = None,
         on_idle_failure: Callable[[], None] | None = None,
-        held: HeldState | None = None,
         agreed_start: bool = False,
     ) -> None:
         self._settings = settings
@@ -89,27 +94,64 @@ class SessionCore:
         self._recipe = recipe
         self._resume = resume
         self._process_local = bool(process_local_data)
+        self._elastic = elastic
+        self._on_idle_failure = on_idle_failure
         self.joins = settings.uneven == "join"
         """The session's own ``uneven="join"`` (``Engine.session(uneven=...)``): a :meth:`step` joins by default."""
-        self.first_step = held.next_step if held is not None else 0 if resume is None else resume.next_step
-        """The global index of this session's first step (> 0 when resuming)."""
+        self.first_step = 0 if resume is None else resume.next_step
+        """The global index of this session's first step (> 0 when resuming, or when taken into a running run)."""
         self._next_step = self.first_step
-        self.change_due = False
-        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
         self.last_applied_at: float | None = None
         """When the last step was applied (``time.monotonic()``)."""
         self.replay_pending = resume is not None if replay is None else replay
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
-        abort = threading.Event()  # every thread of the session leaves its wait when it is set
-        self._peers = PeerLink(self, abort)
-        self._life = SessionLife(
-            settings, model, recipe, resume, self._process_local, self._peers, abort, first_step=self.first_step,
-            elastic=elastic, held=held, agreed_start=agreed_start, on_idle_failure=on_idle_failure,
-        )
-        self._calls = CallGate(self._life, self._peers, abort, settings.sync_timeout)
+        self._trace = session_trace(settings)
+        self.generation = 0
+        """How many membership changes this core went through (the parts it runs now were built after them)."""
+        self._synced_before = FitStats()
+        """The counters of the generations that ended (each generation's sync server counts its own)."""
         self._snapshot: nn.Module | None = None
         self._snapshot_step = -1
         self._snapshot_wanted = False
+        self._changing = False
+        self._begin(resume, None, agreed_start)
+
+    def _begin(self, resume: Checkpoint | None, held: HeldState | None, agreed_start: bool) -> None:
+        """Build the parts that live over one process group (nothing runs until :func:`run_generation`)."""
+        self.start_step = self._next_step
+        """The step the parts running now started from (the first step after the last membership change)."""
+        self.change_due = False
+        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
+        abort = threading.Event()  # every thread of the generation leaves its wait when it is set
+        self._peers = PeerLink(self, abort)
+        self._life = SessionLife(
+            self._settings, self.model, self._recipe, resume, self._process_local, self._peers, abort,
+            first_step=self.start_step, elastic=self._elastic, held=held, agreed_start=agreed_start,
+            on_idle_failure=self._on_idle_failure, trace=self._trace,
+        )
+        self._calls = CallGate(self._life, self._peers, abort, self._settings.sync_timeout, lambda: self._changing)
+
+    def next_generation(self, held: HeldState | None, agreed_start: bool) -> None:
+        """After an elastic membership change, once the last generation's parts have stopped: new parts over the
+        new group, starting from ``held`` (the replicas themselves, or a checkpoint handed over; ``None``: the
+        initial state, no member having applied a step), which :func:`run_generation` then starts.
+
+        :raises ~gsync._core.session.state.LifecycleError: while the last generation's parts still run (a bug).
+        """
+        if self._life.state not in (SessionState.CLOSED, SessionState.FAILED):
+            raise LifecycleError(f"a new generation while the last one is {self._life.state.value}")
+        built = self._life.workers.built
+        if built is not None:
+            self._synced_before = _added(self._synced_before, built)
+        self.replay_pending = False  # the fit goes on in place
+        self.generation += 1
+        if held is None:
+            # Nobody had applied a step: the run starts over from what the session opened with.
+            self._next_step = 0 if self._resume is None else self._resume.next_step
+            self._begin(self._resume, None, agreed_start)
+            return
+        self._next_step = held.next_step
+        self._begin(None if held.has_replicas else held.checkpoint(), held if held.has_replicas else None, agreed_start)
 
     # -- the parts, as its calls use them ---------------------------------------------------
 
@@ -127,16 +169,15 @@ class SessionCore:
 
     @property
     def life(self) -> SessionLife:
-        """The session's life (its start, serving and end; :func:`open_session` drives it)."""
+        """The life of the generation it runs now (its start, serving and end; :func:`run_generation` drives it)."""
         return self._life
 
     # -- public ----------------------------------------------------------------
 
     @property
     def trace(self) -> Trace | None:
-        """The session's timeline, when the engine traces."""
-        built = self._life.workers.built
-        return None if built is None else built.trace
+        """The session's timeline, when the engine traces (one for the session's whole life)."""
+        return self._trace
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
@@ -161,19 +202,9 @@ class SessionCore:
 
     @property
     def stats(self) -> FitStats:
+        """The session's counters, summed over its generations; the buckets are the ones it runs now."""
         built = self._life.workers.built
-        if built is None:
-            return FitStats()
-        server, plan = built.server, built.server.plan
-        return FitStats(
-            steps=server.steps_synced,
-            buckets=len(plan.buckets),
-            bucket_ready_messages=server.bucket_ready_received,
-            bucket_sizes=tuple(b.nbytes for b in plan.buckets),
-            bucket_params=tuple(tuple(plan.names[p] for p in b.params) for b in plan.buckets),
-            rebuilt_buckets=built.rebuild.rebuilt,
-            reduced_bytes=server.reduced_bytes,
-        )
+        return self._synced_before if built is None else _added(self._synced_before, built)
 
     @property
     def resume(self) -> Checkpoint | None:
@@ -207,13 +238,20 @@ class SessionCore:
 
     @property
     def state(self) -> SessionState:
-        """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`)."""
-        return self._life.state
+        """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`): its generation's state,
+        or ``CHANGING`` from the moment its generation ends for a membership change until the next one is open."""
+        return SessionState.CHANGING if self._changing else self._life.state
+
+    @property
+    def changing(self) -> bool:
+        """Between two generations of an elastic run: the last one ended for a membership change (one every rank
+        agreed on, or a loss), and the next one is not open yet."""
+        return self._changing
 
     @property
     def usable(self) -> bool:
         """Open and not failed: operations may run."""
-        return self._life.state in (SessionState.IDLE, SessionState.OPERATING) and self._life.failure is None
+        return self.state in (SessionState.IDLE, SessionState.OPERATING) and self._life.failure is None
 
     def take_undelivered(self) -> BaseException | None:
         """The failure settled while no operation ran, once: whoever takes it raises or logs it."""
@@ -224,9 +262,22 @@ class SessionCore:
         self._life.request_end()
 
     def end_for_change(self) -> None:
-        """End the session for a membership change every rank agreed on: the next generation goes on with its
+        """End the generation for a membership change every rank agreed on: the next generation goes on with its
         replicas (:meth:`hold`), so the model passed in is not written back."""
         self._life.end_for_change()
+        self._changing = True
+
+    def lost_generation(self) -> None:
+        """The generation ended because a member was lost, and the elastic run goes on with the others."""
+        self._changing = True
+
+    def generation_open(self) -> None:
+        """The generation :func:`run_generation` started is open: calls run on it."""
+        self._changing = False
+
+    def ended(self) -> None:
+        """The session opens no further generation (it closed, failed, or its run ended)."""
+        self._changing = False
 
     def hold(self, finish: Callable[[Checkpoint], Checkpoint]) -> HeldState | None:
         """Once the session has ended: the state it leaves an elastic run's next generation (see :meth:`SessionLife.hold`)."""
@@ -642,54 +693,34 @@ class SessionCore:
 
 
 @asynccontextmanager
-async def open_session(
-    settings: EngineSettings,
-    model: nn.Module,
-    recipe: Recipe,
-    *,
-    resume: Checkpoint | None,
-    process_local_data: bool,
-    replay: bool | None = None,
-    elastic: ElasticMembership | None = None,
-    on_idle_failure: Callable[[], None] | None = None,
-    held: HeldState | None = None,
-    agreed_start: bool = False,
-) -> AsyncIterator[SessionCore]:
-    """The life of one session around the user's block; see :meth:`gsync.Engine.session`.
+async def run_generation(core: SessionCore) -> AsyncIterator[SessionCore]:
+    """The life of the parts ``core`` runs now (one generation: the whole session outside an elastic run), as one
+    anyio task group around the user's block; see :meth:`gsync.Engine.session`.
 
-    ``replay``: a fit replays its data up to ``resume`` (default: whenever
-    resuming; an elastic generation after the first continues the fit in
-    place). ``elastic``: the run this session is one generation of. ``on_idle_failure``: called once a failure
-    that no call waits for is settled. ``held``: the last generation's replicas, which this one takes (instead of
-    copying ``model`` and loading ``resume``); ``agreed_start``: every rank starts from a state the elastic run
-    agreed on (rank 0's is not broadcast).
+    Writing the trace file is left to whoever ends the session (the service), once for its whole life.
     """
-    session = SessionCore(
-        settings, model, recipe, resume, process_local_data, replay=replay, elastic=elastic,
-        on_idle_failure=on_idle_failure, held=held, agreed_start=agreed_start,
-    )
-    life, peers = session.life, session._peers
+    life, peers = core.life, core._peers
     raised: BaseException | None = None
     try:
-        try:
-            await life.start()
-            async with anyio.create_task_group() as group:
-                group.start_soon(life.serve)
-                try:
-                    yield session
-                except BaseException:
-                    raise  # the group cancels everything: nothing to end gracefully
+        await life.start()
+        async with anyio.create_task_group() as group:
+            group.start_soon(life.serve)
+            try:
+                yield core
+            except BaseException:
+                raise  # the group cancels everything: nothing to end gracefully
+            else:
+                if life.failure is None:
+                    life.end_of_data()
                 else:
-                    if life.failure is None:
-                        life.end_of_data()
-                    else:
-                        # Failed or cancelled: nothing it holds is to be finished, and a device thread stuck in
-                        # native code would keep a graceful end waiting for its sync_timeout. It is left behind.
-                        group.cancel_scope.cancel()
-        except BaseExceptionGroup as errors:
-            raised = raised_by_block(errors, life.failure)
-        except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
-            raised = error
+                    # Failed or cancelled: nothing it holds is to be finished, and a device thread stuck in
+                    # native code would keep a graceful end waiting for its sync_timeout. It is left behind.
+                    group.cancel_scope.cancel()
+    except BaseExceptionGroup as errors:
+        raised = raised_by_block(errors, life.failure)
+    except BaseException as error:  # noqa: BLE001 - sorted below, re-raised unchanged
+        raised = error
+    try:
         if raised is None:
             if life.failure is None:
                 await peers.announce_departure()
@@ -708,7 +739,19 @@ async def open_session(
             await peers.report(life.failure if isinstance(raised, SessionClosed) and life.failure else raised)
     finally:
         await life.close()
-        # Marks how the session ended, writes Engine(trace=path)'s file, ends `raised`'s message with its path.
-        await finish_trace(session.trace, settings.trace_file, raised, life.cancellation or life.failure)
     if raised is not None:
         raise raised
+
+
+def _added(before: FitStats, built: Assembly) -> FitStats:
+    """``before`` (the generations that ended) and the counters of the parts ``built``; the buckets are theirs."""
+    server, plan = built.server, built.server.plan
+    return FitStats(
+        steps=before.steps + server.steps_synced,
+        buckets=len(plan.buckets),
+        bucket_ready_messages=before.bucket_ready_messages + server.bucket_ready_received,
+        bucket_sizes=tuple(b.nbytes for b in plan.buckets),
+        bucket_params=tuple(tuple(plan.names[p] for p in b.params) for b in plan.buckets),
+        rebuilt_buckets=before.rebuilt_buckets or built.rebuild.rebuilt,
+        reduced_bytes=before.reduced_bytes + server.reduced_bytes,
+    )

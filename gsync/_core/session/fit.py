@@ -41,10 +41,6 @@ class MembershipCarry(Protocol):
     """What carries a fit across an elastic run's membership changes: the session's service."""
 
     @property
-    def serving(self) -> SessionCore:
-        """The core serving the session now (replaced at each change)."""
-
-    @property
     def elastic(self) -> object | None:
         """The elastic run the session belongs to (``None`` outside one)."""
 
@@ -72,8 +68,8 @@ async def run_fit(
 ) -> FitResult:
     """The loop of one fit over an open session; ``result_model``: the result's model (default ``session.model``).
 
-    ``session`` is the public handle, which callbacks receive; the loop itself works on ``core``, or on the
-    core ``carry`` holds at each step (an elastic run's changes replace it).
+    ``session`` is the public handle, which callbacks receive; the loop itself works on ``core`` (the same one
+    across an elastic run's membership changes, which ``carry`` carries each step through).
 
     The caller closes the session if this raises (see :meth:`gsync.Session.fit`).
     """
@@ -204,7 +200,8 @@ class _FitLoop:
         self.session = session
         self.joining = joining
         """``uneven="join"``: a rank whose data ended steps on with empty shards until every rank's has."""
-        self._core = core
+        self.core = core
+        """The session's core (the same one across an elastic run's membership changes)."""
         self._carry = carry
         self.resume = resume
         self.position: tuple[int, int] | None = None
@@ -218,15 +215,11 @@ class _FitLoop:
         self._epochs_to_close: list[int] = []
         self._generators_restored = False
 
-    @property
-    def core(self) -> SessionCore:
-        """The core serving the session now."""
-        return self._core if self._carry is None else self._carry.serving
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
         if self._carry is None:
-            return await self._core.step(batches, last=last, joining=self.joining)
+            return await self.core.step(batches, last=last, joining=self.joining)
 
         async def changed(change: MembershipChange) -> None:
             await self.call("on_membership_change", self.session, change)

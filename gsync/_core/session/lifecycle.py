@@ -1,4 +1,6 @@
-"""A session's life: its start, its serving, a failure settled into the one error it raises, and its end.
+"""A session's life over one process group: its start, its serving, a failure settled into the one error it
+raises, and its end. Outside an elastic run that is the session's whole life; in one, each membership gets a life
+of its own under the one session core.
 
 :class:`SessionLife` owns the session's :class:`~gsync._core.session.state.Lifecycle`
 (every transition is made through it) and its failure, and drives the two
@@ -32,6 +34,7 @@ from ..state.held import HeldState, hold_replicas
 from ..state.recovery import attach_checkpoint, last_consistent
 from ..state.replicas import copy_replicas, equip_replicas
 from ..state.rng import capture_rng
+from ...trace import Trace
 from ..step.context import Recipe
 from ..threads import LoopHandle
 from ..topology import Topology
@@ -51,7 +54,7 @@ logger = logging.getLogger("gsync")
 
 
 class SessionLife:
-    """Start, serve, fail and close one session."""
+    """Start, serve, fail and close one session (one generation of an elastic one)."""
 
     def __init__(
         self,
@@ -68,8 +71,10 @@ class SessionLife:
         held: HeldState | None,
         agreed_start: bool,
         on_idle_failure: Callable[[], None] | None,
+        trace: Trace | None,
     ) -> None:
         self._settings = settings
+        self._trace = trace
         self._model = model
         self._recipe = recipe
         self._resume = resume
@@ -214,7 +219,7 @@ class SessionLife:
         runtime = self._peers.runtime
         if runtime is not None:
             await self._peers.start_together([r.module for r in replicas], broadcast=not self._agreed_start)
-        parts = self.workers.build(settings, self._recipe, plan, replicas, runtime, loop, self._process_local)
+        parts = self.workers.build(settings, self._recipe, plan, replicas, runtime, loop, self._process_local, self._trace)
         self._topology = parts.topology
         if held is not None:
             for actor in parts.actors:

@@ -56,7 +56,7 @@ def departure(news: _News) -> bool:
 class SessionView(Protocol):
     """What the link reads of the session it belongs to."""
 
-    first_step: int
+    start_step: int
     change_due: bool
 
     @property
@@ -174,7 +174,7 @@ class PeerLink:
         runtime, setup = self._runtime, self._setup
         if runtime is None or setup is None:
             raise RuntimeError("a start with peers needs the process group joined")
-        first_step = self._session.first_step
+        first_step = self._session.start_step
         self._waiting_in = SESSION_START
         failure: BaseException
         try:

@@ -2,8 +2,9 @@
 
 An anyio task group must be entered and left by one task, but a held
 session is opened in one notebook cell (or fixture setup) and closed in
-another, each its own task. So the session's life, :func:`open_session` with
-its task group, runs in a task of its own, as anyio's pytest plugin runs its
+another, each its own task. So the session's life (its core's
+:func:`run_generation` with its task group, once per membership of an
+elastic run) runs in a task of its own, as anyio's pytest plugin runs its
 fixtures in one long-lived task: :class:`SessionService`. Operations do not
 go through it: a step runs in the caller's task and meets the actors through
 their mailboxes, so no call pays a hand-off. The service only waits for the
@@ -32,7 +33,8 @@ from ...errors import ConfigError, GsyncError, SessionClosed
 from ...result import StepResult
 from ...trace import MARK_TRACK, TraceEvent
 from .outcome import is_cancellation
-from .core import SessionCore, open_session
+from .core import SessionCore, run_generation
+from ..trace_files import finish_trace
 from .state import SessionState
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
 from ..elastic.departure import departed as _departed, on_sigterm_depart
@@ -90,6 +92,7 @@ class SessionService:
         self.for_fit = for_fit
         """Opened by ``Engine.fit`` (not held by the user): what an engine that is busy says it runs."""
         self.core: SessionCore | None = None
+        """The session's core, once it has opened; one for the session's whole life, across membership changes."""
         self._opened = anyio.Event()
         self.done = anyio.Event()
         """Set once the session is closed and everything it started has stopped."""
@@ -116,11 +119,13 @@ class SessionService:
             if settings.elastic is not None
             else None
         )
-        """The elastic run this session belongs to: each of its generations is served by a core of its own."""
+        """The elastic run this session belongs to: the core runs each of its generations in turn."""
         self._changing = False
-        """A membership change every rank agreed on was asked for: the core ends for it, not for a close."""
+        """A membership change every rank agreed on was asked for: the generation ends for it, not for a close."""
+        self._generations = 0
+        """How many generations the core has opened."""
         self._replaced = anyio.Event()
-        """Set when the core is replaced by the next generation's, or the session ends."""
+        """Set when the core opens its next generation, or the session ends."""
         self._change_error: BaseException | None = None
         # (epoch, batches) of a fit's data consumed through each step, noted before the step runs (on whichever
         # generation runs it): a loss can leave the last consistent state a step past what the fit saw applied.
@@ -130,6 +135,8 @@ class SessionService:
 
     async def run(self) -> None:
         """The session's whole life. Raises nothing but a cancellation of this task: the handle reports the rest."""
+        core: SessionCore | None = None
+        raised: BaseException | None = None
         try:
             with self._scope, ExitStack() as stack:
                 elastic = self.elastic
@@ -144,13 +151,20 @@ class SessionService:
                         _generation, start, handed_over = await anyio.to_thread.run_sync(elastic.enter, self._resume, abandon_on_cancel=True)
                     replay = handed_over or self._resume is not None
                     agreed = handed_over
+                core = SessionCore(
+                    self._settings, self._model, self._recipe, None if start is None else start.checkpoint(),
+                    self._process_local_data, replay=replay, elastic=elastic, on_idle_failure=self._failed_while_idle,
+                    agreed_start=agreed,
+                )
                 while True:
-                    following = await self._serve_generation(start, replay, agreed)
+                    following = await self._serve_generation(core, start)
                     if following is None or self.closing:
                         break  # ended, or closed while its membership changed: the new generation's peers go on
                     # Every member of the next generation holds the state it starts from: the one agreed on.
-                    start, replay, agreed = following.state, False, following.state is not None
+                    start = following.state
+                    core.next_generation(start, agreed_start=start is not None)
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
+            raised = error
             ended = self.core
             if ended is None:
                 self._open_error = error
@@ -169,63 +183,66 @@ class SessionService:
                 raise
         finally:
             self.closing = True
+            if core is not None:
+                core.ended()
+                # Once for the session's whole life: marks how it ended, writes Engine(trace=path)'s file, ends
+                # the message of what it raises with the file's path.
+                await finish_trace(core.trace, self._settings.trace_file, raised, core.life.cancellation or core.failure)
             self._opened.set()
             self._replaced.set()
             self.done.set()
 
-    async def _serve_generation(
-        self, start: HeldState | None, replay: bool | None, agreed: bool
-    ) -> _NextGeneration | None:
-        """Serve one core until it ends; for an elastic run whose membership must change, the next one's start.
+    async def _serve_generation(self, core: SessionCore, start: HeldState | None) -> _NextGeneration | None:
+        """Run ``core``'s current generation until it ends; for an elastic run whose membership must change, the
+        next one's start.
 
-        ``start``: the state the core starts from; it goes on with the replicas themselves when ``start`` holds
-        them (a survivor's, after a change), else copies the model and loads the checkpoint. ``agreed``: every
-        rank starts from a state the elastic run agreed on.
+        ``start``: the state the generation starts from (``core`` goes on with the replicas themselves when it
+        holds them: a survivor's, after a change).
         """
         elastic = self.elastic
-        core: SessionCore | None = None
-        held = start if start is not None and start.has_replicas else None
+        opened = False
         try:
-            async with open_session(
-                self._settings, self._model, self._recipe,
-                resume=None if start is None or held is not None else start.checkpoint(),
-                process_local_data=self._process_local_data, replay=replay, elastic=elastic,
-                on_idle_failure=self._failed_while_idle, held=held, agreed_start=agreed,
-            ) as core:
+            async with run_generation(core):
+                opened = True
                 if self._scope.cancel_called:
                     # Closed while it opened, and the start had nothing left to await: it ends here, as a
                     # failed block would (the model is not written), and the opener says so.
                     raise SessionClosed("the session was closed (aclose, or a cancellation of its task) while it opened")
                 self.core = core
                 if self.closing:
-                    # Closed while this generation started (the close asked the last one's core to end): this
-                    # one ends at once too, instead of serving a session nobody will call again.
+                    # Closed while this generation started (the close asked the last one to end): this one ends
+                    # at once too, instead of serving a session nobody will call again.
                     core.request_end()
                 if elastic is not None:
                     self._mark_changes(core, elastic)
+                core.generation_open()
+                self._generations += 1
                 self._opened.set()
                 replaced, self._replaced = self._replaced, anyio.Event()
                 replaced.set()
                 await core.end_requested.wait()
                 if not self._changing and not self._lost(core.failure):
                     self.closing = True
+                elif not self.closing and not self._changing:
+                    core.lost_generation()  # calls from now on wait for the next generation
                 if self._end_with is not None:
                     raise self._end_with  # the session ends as the block of a failed `async with` would
         except BaseException as error:
             if elastic is None or self.closing or not self._lost(error):
                 raise
-            # A core that failed to open took no forward step: the replicas it took are as they were.
-            mine = (None if start is None else start.put_back()) if core is None else core.hold(self._with_data_position)
+            core.lost_generation()
+            # A generation that failed to open took no forward step: the replicas it took are as they were.
+            mine = core.hold(self._with_data_position) if opened else None if start is None else start.put_back()
         else:
             if elastic is None or self.closing:
                 if elastic is not None:
                     await anyio.to_thread.run_sync(elastic.finish)
                 return None
-            mine = _opened_core(core).hold(self._with_data_position)
+            mine = core.hold(self._with_data_position)
         # A change every rank agreed on in the last step's agreement: peers still finishing that step finish it.
         planned_after = None if not self._changing or mine is None else mine.step
         self._changing = False
-        if mine is None and not (core is None and start is None):
+        if mine is None and (opened or start is not None):
             raise SessionClosed("the elastic session lost its state while its membership changed")
         # ``mine`` None: a member lost while the first session opened, before any step; it starts over.
         try:
@@ -276,45 +293,43 @@ class SessionService:
     def _lost(self, error: BaseException | None) -> bool:
         return self.elastic is not None and error is not None and recoverable(error)
 
-    async def current_core(self, core: SessionCore) -> SessionCore:
-        """The core that serves the session now: after a membership change, the next generation's.
+    # -- what the handle asks of it ---------------------------------------------------
+
+    @property
+    def serving(self) -> SessionCore:
+        """The session's core (one for its whole life; :class:`~gsync.SessionClosed` before it opened)."""
+        return _opened_core(self.core)
+
+    async def serving_core(self) -> SessionCore:
+        """The core, once it runs a generation a call can use.
 
         A change every rank agreed on after the last step (someone knocked,
         or leaves) is made here, before the next call; a change after a loss
-        is already under way. Waits for the next generation.
+        is already under way. Either is waited for, until the core runs the
+        next generation.
 
         :raises: what ended the run instead (below ``min_world_size``, a rank
             left out, the store gone), with this rank's checkpoint.
         """
+        core = self.serving
         if self.elastic is None:
             return core
         # Made between calls: with a call of another task in flight, that call's own refusal is what this one meets.
-        if core.change_due and core.state is SessionState.IDLE and core.failure is None and self.core is core and not self.closing:
+        if core.change_due and core.state is SessionState.IDLE and core.failure is None and not self.closing:
             if self.elastic.leaving:
                 await self._depart(core)
             else:
                 # Nothing is copied: the next generation goes on with this one's replicas (SessionCore.hold).
                 self._changing = True
                 core.end_for_change()
-        elif not (core.failure is not None and self._lost(core.failure)) and self.core is core:
+        elif not core.changing and not (core.failure is not None and self._lost(core.failure)):
             return core
-        while self.core is core and not self.done.is_set():
+        seen = self._generations
+        while self._generations == seen and not self.done.is_set():
             await self._replaced.wait()
-        if self.core is core:
-            error = self._change_error or core.failure or SessionClosed("the session closed while its membership changed")
-            raise error
-        return _opened_core(self.core)
-
-    # -- what the handle asks of it ---------------------------------------------------
-
-    @property
-    def serving(self) -> SessionCore:
-        """The core serving the session now (the last one, once it has ended)."""
-        return _opened_core(self.core)
-
-    async def serving_core(self) -> SessionCore:
-        """The core serving the session now, an elastic run's due change made first (see :meth:`current_core`)."""
-        return await self.current_core(self.serving)
+        if self._generations == seen:
+            raise self._change_error or core.failure or SessionClosed("the session closed while its membership changed")
+        return core
 
     def note_data_position(self, step: int, position: tuple[int, int]) -> None:
         """Before a fit runs step ``step``: its data, ``(epoch, batches)``, is consumed through it once applied."""
@@ -359,7 +374,7 @@ class SessionService:
                         raise
                     if not redoable:
                         interrupted = error
-                    core = await self.current_core(core)
+                    core = await self.serving_core()
                     continue
             log.completed(after, kind, result)
             return result  # type: ignore[no-any-return]
@@ -387,7 +402,7 @@ class SessionService:
         since = core.last_applied_at
         step = core.next_step if expected is None else expected
         while True:
-            core = await self.current_core(core)
+            core = await self.serving_core()
             for change in elastic.changes[changes:]:
                 changes += 1
                 if on_change is not None:

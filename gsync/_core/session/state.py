@@ -1,4 +1,5 @@
-"""A session core's lifecycle: one state, every transition made through one method, the others refused.
+"""A session core's lifecycle (one per generation of an elastic run): one state, every transition made through
+one method, the others refused.
 
 ::
 
@@ -24,9 +25,10 @@ the service:
   call waits for it and raises it.
 - ``FAILED``: settled; calls raise the failure once, then ``SessionClosed``.
 - ``CHANGING``: every rank agreed to change an elastic run's membership
-  after the last step: this generation's core ends, and the next one goes
-  on with its replicas (the model passed in is not written back); no call
-  starts on this core.
+  after the last step: this generation ends, and the next one goes on with
+  its replicas (the model passed in is not written back); no call starts on
+  it. The session core also reports ``CHANGING`` (whatever its ended
+  generation's state) until its next generation is open.
 - ``CLOSING``: its end was asked for (``aclose``, a drop, a failure an
   operation chose, a departure): no call starts, though the session has
   not ended yet.

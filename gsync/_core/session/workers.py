@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 
 from ...errors import GsyncError, SessionClosed
+from ...trace import Trace
 from ..state.replicas import Replica
 from ..step.actor import DeviceActor
 from ..step.context import Recipe
@@ -51,8 +52,9 @@ class SessionWorkers:
         runtime: ProcessGroupRuntime | None,
         loop: LoopHandle,
         process_local: bool,
+        trace: Trace | None,
     ) -> Assembly:
-        self._assembly = assemble(settings, recipe, plan, replicas, runtime, self._abort, loop, process_local)
+        self._assembly = assemble(settings, recipe, plan, replicas, runtime, self._abort, loop, process_local, trace)
         return self._assembly
 
     @property
