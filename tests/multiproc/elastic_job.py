@@ -207,7 +207,7 @@ async def train(config: dict) -> dict:
                 reshard(sampler, session.world_size, session.rank)
 
     elastic = gsync.Elastic(min_world_size=config.get("min_world_size", 1), answer_within=config.get("answer_within", 1.0))
-    engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30, trace=True)
+    engine = gsync.Engine(["cpu"], elastic=elastic, sync_timeout=30, trace=config.get("trace", True))
     mode = config.get("mode", "fit")
     sampler = None
     data: object = global_batches(config["steps"])

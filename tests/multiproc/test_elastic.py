@@ -9,7 +9,9 @@ applies every step exactly once ends where the uninterrupted run does.
 
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -216,8 +218,9 @@ def test_two_of_four_ranks_lost_at_once() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once() -> None:
-    config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "term"}, "answer_within": 30.0}
+def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once(tmp_path: Path) -> None:
+    trace = tmp_path / "run.json"
+    config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "term"}, "answer_within": 30.0, "trace": str(trace)}
     with ElasticRanks(3, config) as ranks:
         outcomes = survivors(ranks, ["0", "2"])
     departed = outcomes["1"]
@@ -235,6 +238,14 @@ def test_a_sigtermed_rank_departs_and_the_others_go_on_at_once() -> None:
         sizes = outcomes[rank]["world_sizes"]
         assert sizes == [3] * (departed["last_step"] + 1) + [2] * (STEPS - departed["last_step"] - 1), sizes
         assert len(set(outcomes[rank]["optimizer_ids"])) == 1, outcomes[rank]["optimizer_ids"]
+    # Each process's trace file is named for its launch rank: launch rank 2, rank 1 of the survivors, does not
+    # overwrite the file of the departed launch rank 1. Each holds its whole run, ended as it ended.
+    for launch_rank in (0, 1, 2):
+        document = json.loads((tmp_path / f"run.rank{launch_rank}.json").read_text())
+        assert (document["otherData"]["rank"], document["otherData"]["world_size"]) == (launch_rank, 3)
+        assert document["otherData"]["outcome"] == "ok", document["otherData"]  # a departure is a normal end
+        steps = {event["args"]["step"] for event in document["traceEvents"] if event.get("cat") == "step"}
+        assert steps == set(range(STEPS if launch_rank != 1 else departed["last_step"] + 1)), steps
 
 
 def process_local_reference(epochs: int, lost: int, at_step: int) -> dict[str, torch.Tensor]:

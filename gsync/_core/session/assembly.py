@@ -86,8 +86,6 @@ def assemble(
     topology = runtime.topology if runtime is not None else Topology(local_devices=len(settings.devices))
     streams = make_stream_sync([spec.torch_device for spec in settings.devices], len(plan.buckets))
     collective = _collective(settings, runtime, topology, streams, abort)
-    if trace is not None:
-        trace.describe(topology.rank, topology.world_size, [spec.name for spec in settings.devices])
     buffers = BufferSync([replica.module for replica in replicas])
     server_mailbox: Mailbox[ServerMessage] = Mailbox("sync server", loop)
     session_mailbox: Mailbox[SessionMessage] = Mailbox("session", loop)
