@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 
 import gsync
 from gsync._core.elastic.quorum import run_scope
+from gsync_pytest import gsync_threads
 
 FEATURES = 6
 ROWS = 12  # a global batch: 4 rows per rank on 3 ranks, 6 on 2, 3 on 4
@@ -270,6 +271,8 @@ def main() -> None:
             "traceback": traceback.format_exc(),
             "last_step": getattr(error, "last_step", None),
         }
+    # Once the run has ended, however it ended: every thread gsync started for any of its generations has stopped.
+    outcome["threads_left"] = gsync_threads()
     torch.save(outcome, out)
     if config.get("announce_done"):
         # A survivor of a frozen peer exits only once gloo's threads stop waiting on it: the test kills the frozen

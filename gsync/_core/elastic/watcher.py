@@ -87,9 +87,15 @@ class ReformWatcher:
             return
 
     def stop(self) -> None:
-        """Stop watching: wakes the thread through the store (one write), never waits for it."""
+        """Stop watching: wakes the thread through the store (one write), without waiting for it (:meth:`join`)."""
         self._stopping.set()
         try:
             self._run.store.set(self._wake_key, "1")
         except Exception:  # noqa: BLE001 - a store that is gone has ended the wait already
             pass
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the thread to end (blocks: not on the event loop); whether it did."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()

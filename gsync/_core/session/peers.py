@@ -316,9 +316,15 @@ class PeerLink:
             self._watcher.stop()
 
     async def close(self) -> None:
-        """Leave the process group and stop the setup thread (shielded by the caller)."""
+        """Leave the process group, and stop the membership watcher and the setup thread (shielded by the caller)."""
         if self._runtime is not None:
             await self.in_setup(self._runtime.close, None)
+        watcher = self._watcher
+        if watcher is not None:
+            # Woken by stop_watching's write, it ends within milliseconds; a store that stopped answering keeps it
+            # in its wait, and it is left behind (a daemon) rather than holding the close up.
+            if not await self.in_setup(lambda: watcher.join(THREAD_GRACE_S), True):
+                logger.warning("gsync: the membership watcher did not stop within %.1f s; left behind", THREAD_GRACE_S)
         if self._setup is not None:
             self._setup.stop()
             await self._setup.join(THREAD_GRACE_S)

@@ -290,3 +290,14 @@ def test_a_change_planned_in_a_steps_agreement_lets_the_others_finish_that_step(
     assert told == [6]
     assert watched.group.aborted == 0
     watcher.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_watcher_ends_and_join_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A session's close joins its watcher: a thread of a generation that ended must not outlive the session.
+    server, runs = on_stand_in_nccl(monkeypatch)
+    watcher = ReformWatcher(runs[1], runs[1].current, lambda after: None, lambda: None)
+    watcher.start()
+    assert not watcher.join(0.05)  # it waits on the store for news, and nothing else ends that wait
+    watcher.stop()
+    assert watcher.join(10)
