@@ -106,8 +106,6 @@ class SessionCore:
         self.replay_pending = resume is not None if replay is None else replay
         """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
         self._trace = session_trace(settings)
-        self.generation = 0
-        """How many membership changes this core went through (the parts it runs now were built after them)."""
         self._synced_before = FitStats()
         """The counters of the generations that ended (each generation's sync server counts its own)."""
         self._snapshot: nn.Module | None = None
@@ -144,7 +142,6 @@ class SessionCore:
         if built is not None:
             self._synced_before = _added(self._synced_before, built)
         self.replay_pending = False  # the fit goes on in place
-        self.generation += 1
         if held is None:
             # Nobody had applied a step: the run starts over from what the session opened with.
             self._next_step = 0 if self._resume is None else self._resume.next_step
@@ -280,7 +277,7 @@ class SessionCore:
         self._changing = False
 
     def hold(self, finish: Callable[[Checkpoint], Checkpoint]) -> HeldState | None:
-        """Once the session has ended: the state it leaves an elastic run's next generation (see :meth:`SessionLife.hold`)."""
+        """Once its generation has ended: the state it leaves the next one (see :meth:`SessionLife.hold`)."""
         return self._life.hold(finish)
 
     def cancelled(self, cancellation: BaseException) -> None:

@@ -215,7 +215,6 @@ class _FitLoop:
         self._epochs_to_close: list[int] = []
         self._generators_restored = False
 
-
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
         if self._carry is None:
