@@ -44,15 +44,21 @@ def trace_setting(value: object) -> Path | None:
     )
 
 
-def rank_file(path: Path, rank: int, world_size: int) -> Path:
-    """The file this rank writes: ``path`` itself in one process, ``run.rank1.json`` for ``run.json`` across several."""
-    if world_size <= 1:
+def rank_file(path: Path, rank: int, world_size: int, *, per_rank: bool = False) -> Path:
+    """The file this rank writes: ``path`` itself in one process, ``run.rank1.json`` for ``run.json`` across several
+    (and always when ``per_rank``: an elastic run, whose world may shrink to one process or grow from one)."""
+    if world_size <= 1 and not per_rank:
         return path
     return path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 async def finish_trace(
-    trace: Trace | None, path: Path | None, raised: BaseException | None, failure: BaseException | None
+    trace: Trace | None,
+    path: Path | None,
+    raised: BaseException | None,
+    failure: BaseException | None,
+    *,
+    per_rank: bool = False,
 ) -> None:
     """At the end of a session: mark how it ended in ``trace`` and, given a ``path``, write the file.
 
@@ -68,7 +74,7 @@ async def finish_trace(
     trace._mark_end(raised if raised is not None else failure)
     if path is None:
         return
-    target = rank_file(path, trace.rank, trace.world_size)
+    target = rank_file(path, trace.rank, trace.world_size, per_rank=per_rank)
 
     def write() -> None:
         target.parent.mkdir(parents=True, exist_ok=True)

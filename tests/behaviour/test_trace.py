@@ -265,6 +265,8 @@ def test_one_file_per_rank_across_processes_named_with_the_rank() -> None:
     assert rank_file(path, 0, 2) == Path("/runs/run.rank0.json")
     assert rank_file(path, 1, 2) == Path("/runs/run.rank1.json")
     assert rank_file(Path("/runs/trace"), 3, 4) == Path("/runs/trace.rank3")
+    # An elastic run's world may shrink to one process (or grow from one): its files always name their rank.
+    assert rank_file(path, 0, 1, per_rank=True) == Path("/runs/run.rank0.json")
 
     trace = gsync.Trace()
     trace.describe(1, 2, ["cpu:0", "cpu:1"])

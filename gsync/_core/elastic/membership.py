@@ -1,9 +1,10 @@
 """An elastic session's membership over its life: entering the run, and each change, as the service drives them.
 
-Each generation is served by a session core of its own, built on that
-generation's group and started from the state the generation agreed on
-(:mod:`~gsync._core.elastic.handover`); the session service replaces one core
-with the next (:class:`~gsync._core.session.service.SessionService`). What
+The session's one core runs each generation on parts built over that
+generation's group, started from the state the generation agreed on
+(:mod:`~gsync._core.elastic.handover`); the session service moves the core
+from one generation to the next
+(:class:`~gsync._core.session.service.SessionService`). What
 fails here fails as a run that is not elastic does: below
 ``min_world_size``, a store that is gone, a rank left out, each is a
 :class:`~gsync.PeerLost` (or the error the quorum met) with the checkpoint

@@ -18,6 +18,7 @@ import anyio
 
 from ...errors import ConfigError, GsyncError, SessionClosed, SyncFailed, SyncTimeout
 from ..distributed import peer_failed
+from ..elastic.recovery import MembershipBroken, recoverable
 from ..threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
 from .lifecycle import SessionLife
 from .outcome import is_cancellation
@@ -37,9 +38,12 @@ class CallGate:
         abort: threading.Event,
         sync_timeout: float,
         changing: Callable[[], bool],
+        step: Callable[[], int],
     ) -> None:
         self._life = life
         self._changing = changing
+        self._step = step
+        """The session's last applied step (what a refusal names)."""
         """Whether the session is between two generations of an elastic run (its core's, not this generation's)."""
         self._peers = peers
         self._abort = abort
@@ -60,6 +64,11 @@ class CallGate:
     async def check(self, what: str) -> None:
         """Before a call: a failure being settled is waited for and raised; a call the session cannot take is refused."""
         await self._life.settled()
+        failure = self._life.failure
+        if self._changing() and failure is not None and recoverable(failure):
+            # A loss was settled while this call waited (the generation ended under it): the elastic carry
+            # waits for the next generation and makes the call there.
+            raise MembershipBroken(self._step(), None, f"the membership changed before {what}() started")
         self.check_now(what)
 
     def check_now(self, what: str) -> None:
@@ -69,8 +78,8 @@ class CallGate:
         :raises ~gsync.ConfigError: while another call runs, or while an elastic run's membership changes.
         """
         if self._changing():
-            # Reached only by what does not wait for the change (a read of the model, the optimizers, a
-            # checkpoint): the asynchronous calls wait for the next generation first.
+            # Reached by what does not wait for the change (a read of the model, the optimizers, a checkpoint):
+            # the asynchronous calls wait for the next generation first (see check).
             raise ConfigError(
                 f"{what}() while the elastic run's membership is changing; the session goes on: await a call "
                 "(step, evaluate, all_reduce), which waits for the new membership, then try again"

@@ -112,10 +112,15 @@ class SessionCore:
         self._snapshot_step = -1
         self._snapshot_wanted = False
         self._changing = False
+        self.traced = False
+        """Some generation was built and recorded on the trace (a start that failed before that leaves no file)."""
         self._begin(resume, None, agreed_start)
 
-    def _begin(self, resume: Checkpoint | None, held: HeldState | None, agreed_start: bool) -> None:
-        """Build the parts that live over one process group (nothing runs until :func:`run_generation`)."""
+    def _begin(
+        self, resume: Checkpoint | None, held: HeldState | None, agreed_start: bool, topology: Topology | None = None
+    ) -> None:
+        """Build the parts that live over one process group (nothing runs until :func:`run_generation`);
+        ``topology``: the last generation's, which the session reports until this one has joined its group."""
         self.start_step = self._next_step
         """The step the parts running now started from (the first step after the last membership change)."""
         self.change_due = False
@@ -126,8 +131,11 @@ class SessionCore:
             self._settings, self.model, self._recipe, resume, self._process_local, self._peers, abort,
             first_step=self.start_step, elastic=self._elastic, held=held, agreed_start=agreed_start,
             on_idle_failure=self._on_idle_failure, trace=self._trace,
+            topology=topology,
         )
-        self._calls = CallGate(self._life, self._peers, abort, self._settings.sync_timeout, lambda: self._changing)
+        self._calls = CallGate(
+            self._life, self._peers, abort, self._settings.sync_timeout, lambda: self._changing, lambda: self._next_step - 1
+        )
 
     def next_generation(self, held: HeldState | None, agreed_start: bool) -> None:
         """After an elastic membership change, once the last generation's parts have stopped: new parts over the
@@ -141,14 +149,14 @@ class SessionCore:
         built = self._life.workers.built
         if built is not None:
             self._synced_before = _added(self._synced_before, built)
-        self.replay_pending = False  # the fit goes on in place
         if held is None:
             # Nobody had applied a step: the run starts over from what the session opened with.
             self._next_step = 0 if self._resume is None else self._resume.next_step
-            self._begin(self._resume, None, agreed_start)
+            self._begin(self._resume, None, agreed_start, self._life.topology)
             return
         self._next_step = held.next_step
-        self._begin(None if held.has_replicas else held.checkpoint(), held if held.has_replicas else None, agreed_start)
+        replicas = held if held.has_replicas else None
+        self._begin(None if replicas is not None else held.checkpoint(), replicas, agreed_start, self._life.topology)
 
     # -- the parts, as its calls use them ---------------------------------------------------
 
@@ -272,6 +280,21 @@ class SessionCore:
         """The generation :func:`run_generation` started is open: calls run on it."""
         self._changing = False
 
+    def _describe_trace(self) -> None:
+        """Once the generation's parts are built: say on the trace which process it is. In an elastic run that is its
+        launch rank and world (``RANK`` and ``WORLD_SIZE`` at launch), which it keeps across changes, as its events
+        and errors do (and so does its file's name: a survivor renumbered after a change does not write over the
+        file of the process that held its new rank before)."""
+        trace, elastic, topology = self._trace, self._elastic, self._topology
+        if trace is None:
+            return
+        self.traced = True
+        devices = [spec.name for spec in self._settings.devices]
+        if elastic is not None:
+            trace.describe(elastic.launch_rank, elastic.launch_world, devices)
+        else:
+            trace.describe(topology.rank, topology.world_size, devices)
+
     def ended(self) -> None:
         """The session opens no further generation (it closed, failed, or its run ended)."""
         self._changing = False
@@ -302,12 +325,12 @@ class SessionCore:
         self._calls.check_now("checkpoint")
         gather = self._gather()
         if gather is None:
-            return self._capture(None)
+            return self._capture(None)()
         try:
             whole = gather()
         except BaseException as error:
             raise self._gather_failed(error) from None
-        return self._capture(self._gathered(whole))
+        return self._capture(self._gathered(whole))()
 
     async def checkpoint_off_loop(self) -> Checkpoint:
         """:meth:`checkpoint`, its copy (and a sharded run's gather across processes) in a worker thread, so that
@@ -315,12 +338,12 @@ class SessionCore:
         self._calls.check_now("checkpoint")
         gather = self._gather()
         if gather is None:
-            return await anyio.to_thread.run_sync(self._capture, None)
+            return await anyio.to_thread.run_sync(self._capture(None))
         try:
             whole = await anyio.to_thread.run_sync(gather)
         except BaseException as error:
             raise self._gather_failed(error) from None
-        return await anyio.to_thread.run_sync(self._capture, self._gathered(whole))
+        return await anyio.to_thread.run_sync(self._capture(self._gathered(whole)))
 
     def _gather(self) -> Callable[[], dict[int, dict[str, Any]]] | None:
         """A sharded run's gather of the whole optimizer state across processes (``None`` when there is none to
@@ -352,17 +375,24 @@ class SessionCore:
             return self._life.fail(error)
         return error
 
-    def _capture(self, whole: dict[int, dict[str, Any]] | None) -> Checkpoint:
-        """The checkpoint of the first replica; a sharded optimizer's state is ``whole`` when gathered."""
+    def _capture(self, whole: dict[int, dict[str, Any]] | None) -> Callable[[], Checkpoint]:
+        """What copies the checkpoint of the first replica (a sharded optimizer's state is ``whole`` when gathered).
+
+        The replica, the optimizer's sharding and the step are read here, on the loop: the copy may run in a
+        thread, while an elastic run's change builds the next generation's parts and moves the step count.
+        """
         actor = self._actors[0]
         sharding = self._parts.context.sharding
-        # The optimizer's state_dict() is the gathered whole state while it is held.
-        with sharding.holding(whole) if sharding is not None and whole is not None else contextlib.nullcontext():
-            checkpoint = Checkpoint.capture(
-                self._next_step - 1, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler
-            )
-        # Between steps, the generators are where the next step starts from.
-        return replace(checkpoint, rng_state=self.generators())
+        step = self._next_step - 1
+
+        def capture() -> Checkpoint:
+            # The optimizer's state_dict() is the gathered whole state while it is held.
+            with sharding.holding(whole) if sharding is not None and whole is not None else contextlib.nullcontext():
+                checkpoint = Checkpoint.capture(step, actor.replica, actor.optimizer, scheduler=actor.scheduler, scaler=actor.scaler)
+            # Between steps, the generators are where the next step starts from.
+            return replace(checkpoint, rng_state=self.generators())
+
+        return capture
 
     @property
     def checkpoint_gathers(self) -> bool:
@@ -700,6 +730,7 @@ async def run_generation(core: SessionCore) -> AsyncIterator[SessionCore]:
     raised: BaseException | None = None
     try:
         await life.start()
+        core._describe_trace()
         async with anyio.create_task_group() as group:
             group.start_soon(life.serve)
             try:

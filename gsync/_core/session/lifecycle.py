@@ -72,6 +72,7 @@ class SessionLife:
         agreed_start: bool,
         on_idle_failure: Callable[[], None] | None,
         trace: Trace | None,
+        topology: Topology | None = None,
     ) -> None:
         self._settings = settings
         self._trace = trace
@@ -91,7 +92,7 @@ class SessionLife:
         self._state = Lifecycle()
         self.workers = SessionWorkers(abort)
         self._loop: LoopHandle | None = None
-        self._topology = Topology(local_devices=len(settings.devices))
+        self._topology = topology if topology is not None else Topology(local_devices=len(settings.devices))
         self._failure: BaseException | None = None
         self._cancellation: BaseException | None = None
         self._undelivered: BaseException | None = None
@@ -221,7 +222,6 @@ class SessionLife:
             await self._peers.start_together([r.module for r in replicas], broadcast=not self._agreed_start)
         parts = self.workers.build(settings, self._recipe, plan, replicas, runtime, loop, self._process_local, self._trace)
         self._topology = parts.topology
-        self._describe_trace()
         if held is not None:
             for actor in parts.actors:
                 actor.update.holds(held.step)
@@ -240,19 +240,6 @@ class SessionLife:
             ", ".join(spec.name for spec in settings.devices), self._topology.rank, self._topology.world_size,
             len(plan.buckets), "/".join(f"{b.nbytes / 2**20:.2f}" for b in plan.buckets), len(plan.names),
         )
-
-    def _describe_trace(self) -> None:
-        """Say on the trace which process it is: in an elastic run by its launch rank and world (``RANK`` and
-        ``WORLD_SIZE`` at launch), which it keeps across changes (the file's name too, so two processes that held
-        the same rank in turn never write the same file), as its events and errors do."""
-        trace, elastic, topology = self._trace, self._elastic, self._topology
-        if trace is None:
-            return
-        devices = [spec.name for spec in self._settings.devices]
-        if elastic is not None:
-            trace.describe(elastic.launch_rank, elastic.launch_world, devices)
-        else:
-            trace.describe(topology.rank, topology.world_size, devices)
 
     # -- serve -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import anyio.to_thread
 
 from ...errors import SESSION_START, GsyncError, LostRank, PeerFailed, PeerLost, SyncFailed
 from ..distributed import FailureReport, peer_failed
@@ -320,11 +321,11 @@ class PeerLink:
         if self._runtime is not None:
             await self.in_setup(self._runtime.close, None)
         watcher = self._watcher
-        if watcher is not None:
-            # Woken by stop_watching's write, it ends within milliseconds; a store that stopped answering keeps it
-            # in its wait, and it is left behind (a daemon) rather than holding the close up.
-            if not await self.in_setup(lambda: watcher.join(THREAD_GRACE_S), True):
-                logger.warning("gsync: the membership watcher did not stop within %.1f s; left behind", THREAD_GRACE_S)
+        # Woken by stop_watching's write, it ends within milliseconds; a store that stopped answering keeps it in
+        # its wait, and it is left behind (a daemon) rather than holding the close up. Not in the setup thread,
+        # whose queue a hung group teardown may hold.
+        if watcher is not None and not await anyio.to_thread.run_sync(watcher.join, THREAD_GRACE_S):
+            logger.warning("gsync: the membership watcher did not stop within %.1f s; left behind", THREAD_GRACE_S)
         if self._setup is not None:
             self._setup.stop()
             await self._setup.join(THREAD_GRACE_S)

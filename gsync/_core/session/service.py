@@ -162,7 +162,13 @@ class SessionService:
                         break  # ended, or closed while its membership changed: the new generation's peers go on
                     # Every member of the next generation holds the state it starts from: the one agreed on.
                     start = following.state
-                    core.next_generation(start, agreed_start=start is not None)
+                    try:
+                        core.next_generation(start, agreed_start=start is not None)
+                    except BaseException as error:
+                        # What a call waiting for the next generation raises (a checkpoint of the state that
+                        # could not be copied, say), rather than the loss that began the change.
+                        self._change_error = error
+                        raise
         except BaseException as error:  # noqa: BLE001 - kept for the handle, which raises it
             raised = error
             ended = self.core
@@ -185,9 +191,13 @@ class SessionService:
             self.closing = True
             if core is not None:
                 core.ended()
-                # Once for the session's whole life: marks how it ended, writes Engine(trace=path)'s file, ends
-                # the message of what it raises with the file's path.
-                await finish_trace(core.trace, self._settings.trace_file, raised, core.life.cancellation or core.failure)
+                if core.traced:
+                    # Once for the session's whole life: marks how it ended, writes Engine(trace=path)'s file, ends
+                    # the message of what it raises with the file's path.
+                    await finish_trace(
+                        core.trace, self._settings.trace_file, raised, core.life.cancellation or core.failure,
+                        per_rank=self.elastic is not None,
+                    )
             self._opened.set()
             self._replaced.set()
             self.done.set()

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import gsync
+from gsync._core.elastic.recovery import MembershipBroken
 from gsync._core.session.state import SessionState
 import gsync.testing
 from gsync_pytest import gsync_threads
@@ -456,3 +457,25 @@ async def test_a_core_ended_for_a_membership_change_refuses_calls_and_leaves_the
     await session.aclose()
     assert core.state is SessionState.CLOSED
     assert_same_state(model, before)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_call_that_meets_a_generation_ended_by_a_loss_raises_the_loss_for_the_carry_to_redo(
+    no_leaks: None,
+) -> None:
+    # What a step of an elastic run meets when a loss was settled while it waited to start, and the service had
+    # already ended the generation for the change: the loss (which the elastic carry redoes over the next
+    # generation), not a refusal that would end the fit.
+    session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
+    await session.step(make_batches(1, 31)[0])
+    core = session._core
+    core.life.fail(MembershipBroken(0, None, "a member was lost"))
+    core.lost_generation()
+    assert core.state is SessionState.CHANGING
+    with pytest.raises(MembershipBroken, match="the membership changed before step"):
+        await core.step(make_batches(1, 31), last=False)
+    with pytest.raises(gsync.ConfigError, match="membership is changing"):
+        session.model
+    await session.aclose()
+    assert core.state is SessionState.CLOSED
