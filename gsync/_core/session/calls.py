@@ -42,9 +42,9 @@ class CallGate:
     ) -> None:
         self._life = life
         self._changing = changing
+        """Whether the session is between two generations of an elastic run (its core's, not this generation's)."""
         self._step = step
         """The session's last applied step (what a refusal names)."""
-        """Whether the session is between two generations of an elastic run (its core's, not this generation's)."""
         self._peers = peers
         self._abort = abort
         self._sync_timeout = sync_timeout
