@@ -22,6 +22,7 @@ from .errors import PeerLost as PeerLost
 from .errors import LostRank as LostRank
 from .errors import ReplicasDiverged as ReplicasDiverged
 from .errors import SessionClosed as SessionClosed
+from .errors import SessionLeftOpenWarning as SessionLeftOpenWarning
 from .errors import StopTraining as StopTraining
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
@@ -65,6 +66,7 @@ __all__ = (
     "ReplicasDiverged",
     "Session",
     "SessionClosed",
+    "SessionLeftOpenWarning",
     "StepRecord",
     "StepResult",
     "StopTraining",

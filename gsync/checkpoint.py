@@ -59,6 +59,10 @@ class Checkpoint:
     data_position: tuple[int, int] | None = None
     """``(epoch, batches)``: ``fit``'s data consumed through ``step``, as that many batches of that epoch. A
     resumed ``fit`` checks its data lines up with it."""
+    optimizer_class: str | None = None
+    """The optimizer's class, as ``module.QualifiedName`` (``torch.optim.adamw.AdamW``): a resume into another
+    optimizer is refused as the session opens, not found at the first step. ``None`` in files written before
+    gsync recorded it, which are checked by what their state holds."""
 
     @property
     def next_step(self) -> int:
@@ -73,6 +77,8 @@ class Checkpoint:
                 parts.append(f"{name}={_sized(value)}")
         if self.data_position is not None:
             parts.append(f"data_position={self.data_position}")
+        if self.optimizer_class is not None:
+            parts.append(f"optimizer_class={self.optimizer_class!r}")
         return f"Checkpoint({', '.join(parts)})"
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -179,7 +185,19 @@ class Checkpoint:
             _to_cpu(optimizer.state_dict()),
             None if scheduler is None else _to_cpu(scheduler.state_dict()),
             None if scaler is None else _to_cpu(scaler.state_dict()),
+            optimizer_class=_class_name(type(optimizer)),
         )
+
+
+def _class_name(cls: type) -> str:
+    """``module.QualifiedName``: what a checkpoint records of its optimizer's class."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ValueError(f"optimizer_class {value!r}")
 
 
 def _sized(state: Any) -> str:
@@ -223,6 +241,7 @@ def _payload(checkpoint: Checkpoint) -> dict[str, Any]:
         "scaler_state": checkpoint.scaler_state,
         "rng_state": checkpoint.rng_state,
         "data_position": checkpoint.data_position,
+        "optimizer_class": checkpoint.optimizer_class,
     }
 
 
@@ -239,6 +258,7 @@ def _fields(payload: dict[str, Any]) -> dict[str, Any]:
         "scaler_state": payload.get("scaler_state"),
         "rng_state": payload.get("rng_state"),
         "data_position": _position(payload.get("data_position")),
+        "optimizer_class": _optional_str(payload.get("optimizer_class")),
     }
 
 

@@ -30,8 +30,9 @@ from ._core.session.service import SessionSlot
 from ._core.settings import EngineSettings
 from ._core.distributed import should_use_distributed
 from .elastic import Elastic
-from .errors import ConfigError
+from .errors import ConfigError, _raised_at_caller
 from ._core.session.fit_settings import FitLoopSettings
+from ._core.monitoring import monitor_for
 from .result import FitResult, FitStats
 from .session import SessionOpener
 from ._core.trace_files import trace_setting
@@ -181,19 +182,7 @@ class Engine:
         self.store = store
         self.elastic: Elastic | None = Elastic.of(elastic)
         """How the run changes membership when a rank is lost or joins (``None``: it does not; a loss ends it)."""
-        if self.elastic is not None and process_group is not None:
-            raise ConfigError(
-                "elastic=... builds each membership's group itself on the run's store, so it cannot use a "
-                "process_group you made: drop process_group= (pass store= to say where the store is)"
-            )
-        if not isinstance(shard_optimizer, bool):
-            raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
-        if shard_optimizer and self.elastic is not None:
-            raise ConfigError(
-                "shard_optimizer=True cannot be elastic: each rank holds the only copy of its devices' optimizer "
-                "shard, so a lost rank would take part of the optimizer state with it and the survivors could not "
-                "go on exactly; drop elastic= (resume from a checkpoint instead) or drop shard_optimizer="
-            )
+        _refuse_what_elastic_cannot_do(self.elastic, process_group, shard_optimizer)
         self.shard_optimizer = shard_optimizer
         """Whether each device keeps optimizer state for its own shard of every bucket only."""
         self.distributed = should_use_distributed(process_group) or self.elastic is not None
@@ -258,6 +247,7 @@ class Engine:
     def __repr__(self) -> str:
         return f"Engine(devices={[d.name for d in self.devices]}, device_threads={self.device_threads!r})"
 
+    @_raised_at_caller
     def session(
         self,
         model: nn.Module,
@@ -270,6 +260,8 @@ class Engine:
         resume: Checkpoint | str | os.PathLike[str] | None = None,
         process_local_data: bool = False,
         uneven: Literal["refuse", "join"] = "refuse",
+        loggers: Sequence[Any] = (),
+        log_all_ranks: bool = False,
     ) -> SessionOpener:
         """Open a session for your own loop: ``session = await engine.session(model, ...)``, or ``async with``.
 
@@ -289,6 +281,11 @@ class Engine:
 
         The recipe features are the same as :meth:`fit`'s:
 
+        - ``optimizer=lambda params: torch.optim.AdamW(params, ...)`` builds
+          one optimizer per replica over its trainable parameters; a factory
+          whose first parameter is named ``model`` (or ``module``) is given
+          the replica itself (``lambda model: model.configure_optimizers(...)``),
+          one named ``named_parameters`` its trainable ``(name, param)`` pairs.
         - ``scheduler=lambda optimizer: torch.optim.lr_scheduler.X(optimizer, ...)``
           (or a scheduler class whose other arguments have defaults, ``scheduler=LinearLR``)
           builds one LR scheduler per replica, stepped once after every step
@@ -296,6 +293,8 @@ class Engine:
         - ``clip_grad_norm=max_norm`` clips the *reduced* gradient, as
           ``torch.nn.utils.clip_grad_norm_`` on one device would; replicas hold
           the same reduced gradient, so no extra collective is needed.
+          ``clip_grad_norm=math.inf`` reports each step's ``grad_norm`` and
+          clips nothing.
         - ``autocast=torch.bfloat16`` or ``torch.float16`` runs ``loss_fn``
           under ``torch.autocast`` for the device type; float16 adds one
           ``torch.amp.GradScaler`` per replica. Each replica's scaler looks at
@@ -320,6 +319,10 @@ class Engine:
         ``step`` trains nothing and returns a result with ``rows == 0``: every
         rank's data has ended (see the multi-process page of the docs).
 
+        ``loggers`` and ``log_all_ranks`` are :meth:`fit`'s: every step,
+        whether by ``step`` or ``fit``, is logged, ``evaluate``'s results as
+        ``eval/<name>``, and the loggers are finalized as the session ends.
+
         :raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError` for bad
             arguments, at this call, before anything is built; when opening
             while this engine has another session open (naming where it was
@@ -331,7 +334,11 @@ class Engine:
             check_shardable(model)
         settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         settings = uneven_setting(settings, uneven, process_local_data)
-        return SessionOpener(self._slot, settings, model, recipe, resume, bool(process_local_data))
+        monitor = monitor_for(
+            self, model, loggers, log_all_ranks,
+            _recipe_hparams(scheduler, clip_grad_norm, autocast, resume, process_local_data, uneven),
+        )
+        return SessionOpener(self._slot, settings, model, recipe, resume, bool(process_local_data), monitor=monitor)
 
     async def aclose(self) -> None:
         """Close the session this engine has open, if any, as :meth:`gsync.Session.aclose` does.
@@ -348,6 +355,7 @@ class Engine:
         if service is not None:
             await service.close()
 
+    @_raised_at_caller
     async def fit(
         self,
         model: nn.Module,
@@ -368,6 +376,8 @@ class Engine:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int = 2,
+        loggers: Sequence[Any] = (),
+        log_all_ranks: bool = False,
     ) -> FitResult:
         """Train ``model`` on ``data`` with one replica per device and return it trained.
 
@@ -391,6 +401,16 @@ class Engine:
         - ``progress``: a progress bar (``tqdm.auto`` when installed, else
           INFO lines on the ``gsync`` logger); by default on, except in tests
           and under CI.
+        - ``loggers``: objects shaped like Lightning's ``Logger``
+          (``log_metrics(metrics, step)``, and if they have them
+          ``log_hyperparams(params)`` and ``finalize(status)``):
+          :class:`gsync.loggers.CSVLogger`, :class:`gsync.loggers.TensorBoardLogger`,
+          or Lightning's own. They get the run's settings once, each step's
+          metrics (``loss``, ``lr``, ``step_seconds``, ... : the monitoring
+          page of the docs names them) and ``"success"``, ``"failed"`` or
+          ``"cancelled"`` at the end, on rank 0 only unless
+          ``log_all_ranks=True``. A logger that raises is logged once on the
+          ``gsync`` logger and left out from then on; training goes on.
         - ``checkpoint_dir``: write a checkpoint file (``step-00000041.pt``,
           see :meth:`Checkpoint.save`) every ``checkpoint_every`` steps and at
           the end, keeping the newest ``keep`` up to the one just written (a
@@ -457,15 +477,49 @@ class Engine:
         )
         engine_settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         engine_settings = uneven_setting(engine_settings, uneven, process_local_data)
+        monitor = monitor_for(
+            self, model, loggers, log_all_ranks,
+            _recipe_hparams(scheduler, clip_grad_norm, autocast, resume, process_local_data, uneven),
+            {"epochs": epochs, "accumulate": accumulate, "checkpoint_every": checkpoint_every},
+        )
         with cancellation_kept(
             "gsync: the fit was cancelled: every device stopped and the model is left as it was; fit again, with "
             "checkpoint_dir= and resume= to go on from the last checkpoint file"
         ):
             async with SessionOpener(
-                self._slot, engine_settings, model, recipe, resume, bool(process_local_data), for_fit=True
+                self._slot, engine_settings, model, recipe, resume, bool(process_local_data), for_fit=True,
+                monitor=monitor,
             ) as session:
                 result = await session._fit(data, settings, result_model=model)
         return result
+
+
+def _recipe_hparams(
+    scheduler: object, clip_grad_norm: object, autocast: object, resume: Checkpoint | None, process_local_data: object,
+    uneven: object,
+) -> dict[str, object]:
+    return {
+        "scheduler": scheduler, "clip_grad_norm": clip_grad_norm, "autocast": autocast,
+        "resume_step": None if resume is None else resume.step, "process_local_data": bool(process_local_data),
+        "uneven": uneven,
+    }
+
+
+def _refuse_what_elastic_cannot_do(elastic: Elastic | None, process_group: object, shard_optimizer: object) -> None:
+    """Engine options that contradict ``elastic=`` (or are not options at all), refused as the engine is built."""
+    if elastic is not None and process_group is not None:
+        raise ConfigError(
+            "elastic=... builds each membership's group itself on the run's store, so it cannot use a "
+            "process_group you made: drop process_group= (pass store= to say where the store is)"
+        )
+    if not isinstance(shard_optimizer, bool):
+        raise ConfigError(f"shard_optimizer must be True or False, got {shard_optimizer!r}")
+    if shard_optimizer and elastic is not None:
+        raise ConfigError(
+            "shard_optimizer=True cannot be elastic: each rank holds the only copy of its devices' optimizer "
+            "shard, so a lost rank would take part of the optimizer state with it and the survivors could not "
+            "go on exactly; drop elastic= (resume from a checkpoint instead) or drop shard_optimizer="
+        )
 
 
 def _default_devices_of_this_process() -> list[str]:

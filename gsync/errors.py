@@ -8,10 +8,17 @@ its type and message, so ``str(error)`` in a log says what went wrong.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import inspect
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+import anyio
 
 __all__ = (
     "GsyncError",
@@ -32,6 +39,7 @@ __all__ = (
     "SessionClosed",
     "StopTraining",
     "CheckpointError",
+    "SessionLeftOpenWarning",
 )
 
 
@@ -447,3 +455,77 @@ class CheckpointError(GsyncError, ValueError):
 
     The message names the file.
     """
+
+
+class SessionLeftOpenWarning(RuntimeWarning):
+    """A held session was dropped while open (no reference to it left), or its task cancelled (the event loop ended).
+
+    gsync closed it, and left the model passed in as it was: the training that session did is not in the model,
+    which is what ``await session.aclose()`` would have written back. A ``RuntimeWarning``, not a
+    ``ResourceWarning``, because Python's default warning filters hide resource warnings, and what is lost here is
+    the training, not a file handle. Silence it as any warning:
+    ``warnings.filterwarnings("ignore", category=gsync.SessionLeftOpenWarning)``.
+    """
+
+
+# -- user-caused errors, raised from the caller's line ---------------------------------------------------------
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_MACHINERY_DIRS = tuple(os.path.dirname(os.path.abspath(str(module.__file__))) + os.sep for module in (asyncio, anyio))
+_MACHINERY_FILES = (os.path.abspath(contextlib.__file__),)
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def _user_caused(error: BaseException) -> bool:
+    return isinstance(error, (ConfigError, InputTypeError, CheckpointError))
+
+
+def _internal(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return path.startswith(_PACKAGE) or path.startswith(_MACHINERY_DIRS) or path in _MACHINERY_FILES
+
+
+def _drop_internal_frames(error: BaseException | None) -> None:
+    """Start a user-caused error's traceback at the user's line, when every frame below it is gsync's.
+
+    A ConfigError, InputTypeError or CheckpointError says what to change in the call; the dozens of frames of
+    gsync (and the event loop) it was raised through, from a session's start in its own task, say nothing the user
+    can act on. A traceback that passes through user code (a callback that called gsync) is kept whole, and
+    ``GSYNC_FULL_TRACEBACKS=1`` keeps every one (for debugging gsync itself).
+    """
+    if error is None or not _user_caused(error) or os.environ.get("GSYNC_FULL_TRACEBACKS"):
+        return
+    frame = error.__traceback__
+    while frame is not None:
+        if not _internal(frame.tb_frame.f_code.co_filename):
+            return
+        frame = frame.tb_next
+    error.__traceback__ = None
+
+
+def _raised_at_caller(function: _Function) -> _Function:
+    """``function`` (sync or async), whose user-caused errors are raised from its caller's line.
+
+    A bare ``raise`` re-raises without adding the raising frame, so the wrapper leaves no frame of its own.
+    """
+    if inspect.iscoroutinefunction(function):
+
+        @functools.wraps(function)
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await function(*args, **kwargs)
+            except (ConfigError, InputTypeError, CheckpointError) as error:
+                _drop_internal_frames(error)
+                raise
+
+        return call_async  # type: ignore[return-value]
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except (ConfigError, InputTypeError, CheckpointError) as error:
+            _drop_internal_frames(error)
+            raise
+
+    return call  # type: ignore[return-value]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -76,6 +78,22 @@ class FitResult:
     """One record per step this fit ran: step, epoch, loss, lr, rows, seconds, skipped, grad_norm, lrs."""
     membership: tuple[MembershipChange, ...] = ()
     """Every change of an elastic run's membership during this fit (``Engine(elastic=...)``), first first."""
+
+    def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
+        """Loss and learning rate over steps, step time with its exposed communication (when traced) and each
+        device's time per phase; membership changes marked. Needs matplotlib (``pip install 'gsync[monitoring]'``).
+
+        :param path: write the picture there (its suffix picks the format: ``.png``, ``.svg``, ``.pdf``).
+        :returns: the ``matplotlib.figure.Figure``; in a notebook with no ``path``, it is shown inline instead
+            (and ``None`` returned, so the cell does not show it twice).
+        """
+        from ._core.monitoring.display import show_or_return
+        from ._core.monitoring.plotting import draw
+        from ._core.monitoring.series import series_of_fit
+
+        title = f"gsync fit: steps {self.first_step} to {self.first_step + len(self.history) - 1}"
+        figure = draw(series_of_fit(self.history, self.trace, self.membership, title), path)
+        return figure if path is not None else show_or_return(figure)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ import sys
 import threading
 import warnings
 import weakref
+from dataclasses import replace
 from collections.abc import AsyncIterable, AsyncIterator, Generator, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -54,15 +55,17 @@ import torch
 from torch import nn
 
 from ._core.session.core import ReduceOp, SessionCore
+from ._core.session.operations import AllReduce, Evaluate
 from ._core.session.service import SessionService, SessionSlot
 from ._core.settings import EngineSettings
 from .checkpoint import Checkpoint
 from ._core.step.context import Recipe
-from .errors import ConfigError, SessionClosed
+from .errors import ConfigError, SessionClosed, SessionLeftOpenWarning, _raised_at_caller
 from ._core.session.fit import run_fit
 from ._core.session.fit_settings import FitLoopSettings
 from ._core.session.cancelling import cancellation_kept
-from ._core.session.outcome import is_cancellation
+from ._core.base.outcome import is_cancellation
+from ._core.monitoring import SessionMonitor
 from .result import FitResult, FitStats, StepResult
 from .trace import Trace
 from .types import MetricFn
@@ -89,9 +92,11 @@ class Session:
     another thread or another event loop is a :class:`~gsync.ConfigError`.
     """
 
-    def __init__(self, service: SessionService, *, scoped: bool) -> None:
+    def __init__(self, service: SessionService, *, scoped: bool, monitor: SessionMonitor | None = None) -> None:
         self._service = service
         self._scoped = scoped
+        # Hands each step to the loggers and this process's counters; told how the session ended.
+        self._monitor = monitor if monitor is not None else SessionMonitor()
         self._thread = threading.get_ident()
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
@@ -220,6 +225,7 @@ class Session:
                     # The new membership started after this step: a member that had applied it handed its state over.
                     core = self._core
                     return StepResult(step=core.next_step - 1, loss=math.nan, lr=math.nan, rows=0, seconds=0.0, world_size=core.world_size)
+                self._monitor.stepped(result)
                 return result
             except BaseException as error:
                 await self._closed_by(error)
@@ -292,11 +298,14 @@ class Session:
             # The whole fit is one call: another task's step, evaluate or fit is refused until it ends, and a close
             # from another task ends it (the fit's own callbacks may use the session).
             with service.fit_running():
+                # The monitor is the fit's first callback, so a step is logged before any callback can stop the fit.
+                settings = replace(settings, callbacks=[self._monitor, *settings.callbacks])
                 return await run_fit(self, await self._after_change(), data, settings, result_model, carry=service)
             raise self._core.failure or SessionClosed("the fit was ended by a close from another task")
         except BaseException as error:
             # A fit that raised, whatever raised it, leaves the ranks' loops apart: the session ends with it.
             await self._service.close(error)
+            self._monitor.ended(error)
             raise
 
     async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
@@ -344,9 +353,9 @@ class Session:
         with cancellation_kept(_CALL_CANCELLED):
             try:
                 # Over a membership change the evaluation is redone from its first batch, if data can be read again.
-                return await self._service.carried(
-                    lambda core: core.evaluate(data, metric_fn=metric_fn), "evaluate()", redoable=_iterable_again(data)
-                )
+                metrics = await self._service.carried(Evaluate(data, metric_fn, redoable=_iterable_again(data)))
+                self._monitor.evaluated(metrics)
+                return metrics
             except BaseException as error:
                 await self._closed_by(error)
                 raise
@@ -377,10 +386,7 @@ class Session:
         self._check_call()
         with cancellation_kept(_CALL_CANCELLED):
             try:
-                reduced = await self._service.carried(lambda core: core.all_reduce(value, op), f"all_reduce(op={op!r})")
-                if isinstance(value, torch.Tensor) and isinstance(reduced, torch.Tensor):
-                    return reduced.to(value.device)  # a result handed over by a peer after a change arrives on the CPU
-                return reduced
+                return await self._service.carried(AllReduce(value, op))
             except BaseException as error:
                 await self._closed_by(error)
                 raise
@@ -429,7 +435,7 @@ class Session:
         """
         self._check_caller(closing=True)
         with cancellation_kept(_CLOSE_CANCELLED):
-            await self._service.close()
+            await self._closing(None)
 
     async def __aenter__(self) -> Session:
         return self
@@ -438,7 +444,16 @@ class Session:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         """``async with session:`` on a held session closes it when the block ends, as the scoped form does."""
-        await self._service.close(exc)
+        await self._closing(exc)
+
+    async def _closing(self, exc: BaseException | None) -> None:
+        """Close the service (``exc``: what ends the session, if anything) and tell the loggers how it ended."""
+        try:
+            await self._service.close(exc)
+        except BaseException as error:
+            self._monitor.ended(error)
+            raise
+        self._monitor.ended(exc)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"open, next step {self.next_step}"
@@ -459,7 +474,7 @@ class Session:
         if dropped:
             warnings.warn(
                 f"{why}; it is closed now, and its model is left as it was: `await session.aclose()` when you are done",
-                ResourceWarning,
+                SessionLeftOpenWarning,
                 stacklevel=2,
             )
             # At once, not on the loop's next turn: an open right after the drop waits for this one to end.
@@ -481,6 +496,7 @@ class Session:
         """After a call raised ``error``: if that closed the session, wait until everything it started has stopped."""
         if not self._core.usable:
             await self._service.close(error)
+            self._monitor.ended(error)
 
     # -- checks ----------------------------------------------------------------------
 
@@ -546,8 +562,10 @@ class SessionOpener:
         process_local_data: bool,
         *,
         for_fit: bool = False,
+        monitor: SessionMonitor | None = None,
     ) -> None:
         self._slot = slot
+        self._monitor = monitor if monitor is not None else SessionMonitor()
         self._settings = settings
         self._args = (model, recipe, resume, process_local_data)
         self._for_fit = for_fit
@@ -560,6 +578,19 @@ class SessionOpener:
     def __await__(self) -> Generator[Any, None, Session]:
         return self._open_held().__await__()
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what the opener lacks: a session's attribute here is a missing `await`.
+        if not name.startswith("_") and hasattr(Session, name):
+            raise AttributeError(
+                f"'SessionOpener' object has no attribute {name!r}: engine.session(...) returns an opener, not the "
+                f"session; write `session = await engine.session(...)`, or `async with engine.session(...) as "
+                f"session:`, and then session.{name}",
+                name=name,
+                obj=self,
+            )
+        raise AttributeError(f"'SessionOpener' object has no attribute {name!r}", name=name, obj=self)
+
+    @_raised_at_caller
     async def _open_held(self, scoped: bool = False) -> Session:
         try:
             loop = asyncio.get_running_loop()
@@ -573,8 +604,11 @@ class SessionOpener:
         _HELD.add(task)
         task.add_done_callback(_HELD.discard)
         await service.wait_open()
-        return Session(service, scoped=scoped)
+        session = Session(service, scoped=scoped, monitor=self._monitor)
+        self._monitor.opened(session)
+        return session
 
+    @_raised_at_caller
     async def __aenter__(self) -> Session:
         if self._entered:
             raise ConfigError("this engine.session(...) was entered already; call engine.session(...) again for another")
@@ -620,10 +654,22 @@ class SessionOpener:
         scope.__enter__()
         service.on_idle_failure(scope.cancel)
         self._group = (group, scope)
-        session = self._session = Session(service, scoped=True)
+        session = self._session = Session(service, scoped=True, monitor=self._monitor)
+        self._monitor.opened(session)
         return session
 
     async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        try:
+            swallowed = await self._exit(exc_type, exc, tb)
+        except BaseException as error:
+            self._monitor.ended(error)
+            raise
+        self._monitor.ended(None if swallowed else exc)
+        return swallowed
+
+    async def _exit(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         self._exiting = True

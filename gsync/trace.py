@@ -34,7 +34,7 @@ from .errors import (
     SyncFailed,
     SyncTimeout,
 )
-from ._core.session.outcome import is_cancellation
+from ._core.base.outcome import is_cancellation
 
 __all__ = ("Trace", "TraceEvent")
 

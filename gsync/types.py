@@ -12,8 +12,14 @@ __all__ = ("LossFn", "MetricFn", "OptimizerFactory", "SchedulerFactory")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(model, shard) -> scalar tensor``: the mean loss of one device's shard of a global batch."""
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-"""``optimizer(params) -> Optimizer``, called once per replica with the parameters it trains."""
+OptimizerFactory = (
+    Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    | Callable[[nn.Module], torch.optim.Optimizer]
+    | Callable[[list[tuple[str, nn.Parameter]]], torch.optim.Optimizer]
+)
+"""``optimizer(params) -> Optimizer``, called once per replica with the parameters it trains; or, by the name of
+its first parameter, ``optimizer(model)`` (``model`` or ``module``) with the replica itself, or
+``optimizer(named_parameters)`` (or ``named_params``) with the trainable ``(name, parameter)`` pairs."""
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 """``scheduler(optimizer) -> LRScheduler``, called once per replica with that replica's optimizer."""
 MetricFn = Callable[[nn.Module, Any], Any]

@@ -20,7 +20,7 @@ from ..checkpoint import Checkpoint
 from ..errors import ConfigError, InputTypeError
 from .state.checkpointing import resolve_resume
 from .devices import plan_device_threads
-from .step.batchnorm import has_sync_batchnorm
+from .batchnorm import has_sync_batchnorm
 from .step.context import Recipe
 
 if TYPE_CHECKING:
@@ -65,7 +65,11 @@ def checked_recipe(
     _check_optimizer(optimizer)
     _check_loss_fn(loss_fn, model)
     _check_scheduler(scheduler)
-    if clip_grad_norm is not None:
+    if isinstance(clip_grad_norm, float) and clip_grad_norm == math.inf:
+        # Every step's grad_norm with nothing clipped: the gradient is multiplied by exactly 1.0. Not the default
+        # without clip_grad_norm, as it costs a pass over every gradient per step (and a collective, sharded).
+        pass
+    elif clip_grad_norm is not None:
         clip_grad_norm = positive("clip_grad_norm", clip_grad_norm)
     if autocast is not None and autocast not in _AUTOCAST_DTYPES:
         raise ConfigError(f"autocast must be None, torch.bfloat16 or torch.float16, got {autocast!r}")
@@ -101,11 +105,19 @@ def _check_model(model: object) -> None:
 
 
 def _check_optimizer(optimizer: object) -> None:
+    forms = (
+        "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1), or, to group parameters by name or by "
+        "module, optimizer=lambda model: model.configure_optimizers(...) (a first parameter named model or module "
+        "is given the replica, one named named_parameters its (name, parameter) pairs)"
+    )
     if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-        raise InputTypeError(
-            "optimizer must be a factory, called once per replica with that replica's parameters, "
-            "e.g. optimizer=lambda params: torch.optim.SGD(params, lr=0.1)"
-        )
+        raise InputTypeError(f"optimizer must be a factory, called once per replica with that replica's parameters, {forms}")
+    try:
+        inspect.signature(optimizer).bind(None)
+    except TypeError as error:
+        raise InputTypeError(f"optimizer cannot be called with one argument ({error}): {forms}") from None
+    except ValueError:
+        pass  # no signature to read (a builtin): building it will tell
 
 
 def _check_loss_fn(loss_fn: object, model: object) -> None:

@@ -35,6 +35,10 @@ class DeviceSpec:
     def __repr__(self) -> str:
         return f"DeviceSpec({self.name!r})"
 
+    def __str__(self) -> str:
+        # What a user writes in devices=[...], so f"training on {engine.devices[0]}" reads as it should.
+        return self.name
+
 
 def default_devices() -> list[str]:
     if torch.cuda.is_available():

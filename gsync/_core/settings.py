@@ -47,4 +47,4 @@ class EngineSettings:
     """With process-local data, what the ranks do when one's data ends first (``Engine.session(uneven=...)``):
     ``"join"``: it steps on with empty shards until every rank's has ended; ``"refuse"``: the run stops."""
     shard_optimizer: bool = False
-    """Each device keeps optimizer state for its shard of every bucket only (see :mod:`gsync._core.step.sharding`)."""
+    """Each device keeps optimizer state for its shard of every bucket only (see :mod:`gsync._core.sharding.step`)."""

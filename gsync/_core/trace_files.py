@@ -10,7 +10,7 @@ import anyio
 
 from ..errors import ConfigError, GsyncError
 from ..trace import Trace
-from .session.outcome import is_cancellation
+from .base.outcome import is_cancellation
 from .threads import LoopHandle, WorkerThread
 
 __all__ = ("finish_trace", "rank_file", "trace_setting")

@@ -67,7 +67,7 @@ class Collective(Protocol):
 
         ``tensors[i]`` is local device ``i``'s whole buffer; its shard is range ``shard_bounds(numel,
         world_devices)[g]`` of it, ``g`` its global device index (one split for every transport: see
-        :mod:`gsync._core.transports.sharding`). Afterwards that range holds the weighted sum over all
+        :mod:`gsync.comm._shards`). Afterwards that range holds the weighted sum over all
         devices of the same range, weighted and with zero-weight devices left out as in :meth:`all_reduce`;
         the rest of the buffer is unspecified (a transport may leave it or reduce it too).
         """

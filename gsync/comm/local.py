@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .._core.transports.capabilities import IN_PLACE
-from .._core.transports.sharding import shard_bounds
+from ._capabilities import IN_PLACE
+from ._shards import shard_bounds
 
 __all__ = ("LocalCollective",)
 

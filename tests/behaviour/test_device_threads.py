@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import gsync
-import gsync._core.devices
 import gsync.testing
 from gsync._core.threads import THREADS_PER_THREAD
 from gsync._core.distributed.heartbeat import Whereabouts
+from tests.support.inside import device_flags, heartbeat_whereabouts, pretend_torch_threads_split_per_thread, site_hooks_of
 from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 
@@ -29,7 +29,7 @@ DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
 
 def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyond(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(gsync._core.devices, "THREADS_PER_THREAD", True)  # as under OpenMP, whatever this build's backend
+    pretend_torch_threads_split_per_thread(monkeypatch, True)  # as under OpenMP, whatever this build's backend
     two = gsync.Engine(["cpu:0", "cpu:1"])
     assert two.device_threads == "per_device" and two.intra_op_threads == (1, 1)
     assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).device_threads == "shared"
@@ -41,7 +41,7 @@ def test_cpu_devices_get_a_thread_each_while_each_has_a_core_and_share_one_beyon
     assert gsync.Engine(["cpu:0", "cpu:1", "cpu:2"]).intra_op_threads == (2, 2)  # the reduction gets what is left
     assert gsync.Engine(["cpu:0", "cpu:1"]).intra_op_threads == (4, 1)
     # Where torch's threads cannot be split per thread (its native backend), CPU devices share one thread.
-    monkeypatch.setattr(gsync._core.devices, "THREADS_PER_THREAD", False)
+    pretend_torch_threads_split_per_thread(monkeypatch, False)
     assert gsync.Engine(["cpu:0", "cpu:1"]).device_threads == "shared"
     assert gsync.Engine(["cpu"]).device_threads == "per_device"
     assert gsync.Engine(["cpu:0", "cpu:1"], device_threads="per_device").intra_op_threads is None
@@ -140,7 +140,7 @@ async def test_devices_taking_turns_each_get_the_whole_timeout() -> None:
             time.sleep(0.4)  # the device's own work, not a wait for anything
 
     engine = gsync.Engine(DEVICES, sync_timeout=1.0, device_threads="shared")
-    engine._site_hooks.append(take_time)
+    site_hooks_of(engine).append(take_time)
     result = await engine.fit(TiedNet(), make_batches(3, 12), optimizer=sgd, loss_fn=classification_loss)
     assert len(result.losses) == 3
     assert sorted(slow) == sorted((device, site) for device in range(3) for site in ("forward", "optimizer"))
@@ -175,8 +175,8 @@ async def _seen_during_a_stall(device: int, site: str) -> tuple[Whereabouts, dic
             async with anyio.create_task_group() as group:
                 group.start_soon(session.step, second)
                 assert await anyio.to_thread.run_sync(fault.reached.wait, 10)
-                where = session._core._peers.whereabouts()  # noqa: SLF001 - what the heartbeat thread reads
-                flags = {actor.name: (actor.queued, actor.waiting) for actor in session._core._actors}  # noqa: SLF001
+                where = heartbeat_whereabouts(session)
+                flags = device_flags(session)
                 group.cancel_scope.cancel()
     return where, flags
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 import gsync
-from gsync._core.step.mailbox import Mailbox
-from gsync._core.step.messages import BucketReady, ForwardDone, StepDeadline
+from gsync._core.step.messages import BucketReady, ForwardDone
 from gsync_pytest import gsync_threads
 from tests.support.gates import BackwardGate, CancelAfterStep
+from tests.support.inside import ServerPost, server_of, watch_mailboxes
 from tests.support.models import Deep, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 from tests.support.tasks import assert_no_tasks_left
@@ -39,22 +39,18 @@ async def test_the_sync_server_wakes_once_per_bucket_not_once_per_device(monkeyp
     # the plan is final, and its losses) wakes the server once, when its job ends. On a shared thread (the CPU
     # default, stated here) the last device is the same for both; with a thread per device it need not be.
     may_wake = 0
-    original_post, original_wake = Mailbox.post_threadsafe, Mailbox.wake
 
-    def counted_post(self: Mailbox[object], message: object, wake: bool = True) -> None:
+    def counted_post(owner: str, message: object, wake: bool) -> None:
         nonlocal may_wake
-        if self.owner == "sync server" and isinstance(message, (BucketReady, ForwardDone)) and wake:
+        if owner == "sync server" and isinstance(message, (BucketReady, ForwardDone)) and wake:
             may_wake += 1
-        original_post(self, message, wake)
 
-    def counted_wake(self: Mailbox[object]) -> None:
+    def counted_wake(owner: str) -> None:
         nonlocal may_wake
-        if self.owner == "sync server":
+        if owner == "sync server":
             may_wake += 1
-        original_wake(self)
 
-    monkeypatch.setattr(Mailbox, "post_threadsafe", counted_post)
-    monkeypatch.setattr(Mailbox, "wake", counted_wake)
+    watch_mailboxes(monkeypatch, post_threadsafe=counted_post, wake=counted_wake)
     num_devices, steps = 4, 6
     engine = gsync.Engine(
         [f"cpu:{i}" for i in range(num_devices)], first_bucket_mb=0.01, bucket_cap_mb=0.02, device_threads="shared"
@@ -175,14 +171,12 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """What happened, in order: "shards of step N" as the session posts step N's shard to cpu:0, and what a test
     adds."""
     recorded: list[str] = []
-    original_post = Mailbox.post
 
-    def recorded_post(self: Mailbox[object], message: object) -> None:
-        if self.owner == "shards of cpu:0":
+    def recorded_post(owner: str, message: object) -> None:
+        if owner == "shards of cpu:0":
             recorded.append(f"shards of step {message.step}")  # type: ignore[attr-defined]
-        original_post(self, message)
 
-    monkeypatch.setattr(Mailbox, "post", recorded_post)
+    watch_mailboxes(monkeypatch, post=recorded_post)
     return recorded
 
 
@@ -290,18 +284,18 @@ async def test_a_callback_that_cancels_the_fit_between_steps_starts_no_further_s
 async def test_a_deadline_whose_step_already_synced_is_ignored() -> None:
     # A step's deadline is a timer that posts StepDeadline to the sync server; one that fired just as its step
     # synced is read later: between steps, or during the next step.
-    server_box: list[Mailbox[object]] = []
+    server_box: list[ServerPost] = []
     steps = 4
 
     class StaleDeadlines:
         def on_step_end(self, session: gsync.Session, result: gsync.StepResult) -> None:
-            box = session._core._parts.server_mailbox  # type: ignore[attr-defined]
-            server_box[:] = [box]
-            box.post(StepDeadline(result.step))
+            server = server_of(session)
+            server_box[:] = [server]
+            server.deadline(result.step)
 
     def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if server_box:  # from a device thread, during the next step
-            server_box[0].post_threadsafe(StepDeadline(0))
+            server_box[0].deadline_from_a_thread(0)
         return classification_loss(model, batch)
 
     model = TiedNet()

@@ -14,6 +14,7 @@ from torch import nn
 import gsync
 from gsync._core.data.batches import split_batch
 from tests.support.gates import BackwardGate
+from tests.support.inside import count_whole_bucket_takes, never_take_a_bucket_whole
 from tests.support.models import Deep, Normed, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 
@@ -359,15 +360,6 @@ async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_g
 ) -> None:
     """The hook-less last bucket is taken in a few calls when every parameter of it got a fresh gradient; the
     per-parameter path it stands in for must give bit for bit the same training."""
-    from gsync._core.step.capture import GradientCapture
-
-    whole = GradientCapture._take_whole_bucket
-    taken: list[bool] = []
-
-    def counted(capture: GradientCapture) -> bool:
-        taken.append(whole(capture))
-        return taken[-1]
-
     batches = make_batches(steps=4, rows=24)
     torch.manual_seed(0)
     model = Deep()
@@ -375,9 +367,9 @@ async def test_taking_the_last_bucket_whole_gives_what_taking_it_per_parameter_g
     per_parameter.load_state_dict(model.state_dict())
     # One bucket of 14 small tensors: copied into its buffer, not reduced where autograd put them.
     engine = gsync.Engine(["cpu:0", "cpu:1"])
-    monkeypatch.setattr(GradientCapture, "_take_whole_bucket", counted)
+    taken = count_whole_bucket_takes(monkeypatch)
     await engine.fit(model, batches, optimizer=sgd, loss_fn=classification_loss)
     assert any(taken)  # the path under test ran
-    monkeypatch.setattr(GradientCapture, "_take_whole_bucket", lambda capture: False)
+    never_take_a_bucket_whole(monkeypatch)
     await engine.fit(per_parameter, batches, optimizer=sgd, loss_fn=classification_loss)
     assert_same_state(model, per_parameter, atol=0.0)

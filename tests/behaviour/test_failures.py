@@ -17,6 +17,7 @@ from torch import nn
 import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
+from tests.support.inside import claim
 from tests.support.models import Normed, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 from tests.support.tasks import assert_no_tasks_left
@@ -446,7 +447,7 @@ async def test_a_fault_for_any_device_fires_once_though_devices_reach_it_togethe
 
         def reach(device: int, fault: gsync.testing.Fault = fault, start: threading.Barrier = start) -> None:
             start.wait()
-            claims.append(fault._claim(device, 0, "forward"))
+            claims.append(claim(fault, device, 0, "forward"))
 
         threads = [threading.Thread(target=reach, args=(device,)) for device in range(8)]
         for thread in threads:

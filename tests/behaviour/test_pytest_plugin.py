@@ -154,7 +154,9 @@ def test_fault_fixture_makes_training_raise_worker_failed_for_the_step(user_proj
 
         @pytest.mark.asyncio
         async def test_faults_are_disarmed_after_the_test_that_armed_them(gsync_engine):
-            assert gsync_engine._site_hooks == []
+            from tests.support.inside import site_hooks_of
+
+            assert site_hooks_of(gsync_engine) == []
 
 
         @pytest_asyncio.fixture

@@ -16,16 +16,13 @@ import torch
 from torch import nn
 
 import gsync
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.inside import scalers_of
+from tests.support.models import TiedNet, adamw, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, plain_loop, step_lr, train_reference
 
 pytestmark = pytest.mark.asyncio
 
 DEVICES = {1: ["cpu"], 2: ["cpu:0", "cpu:1"], 3: ["cpu:0", "cpu:1", "cpu:2"]}
-
-
-def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int = 3, total: int = 10) -> Any:
@@ -288,7 +285,7 @@ async def test_fp16_grad_scalers_agree_when_one_device_overflows() -> None:
     engine = gsync.Engine(["cpu:0", "cpu:1"], check_replicas_every=1)
     async with engine.session(TiedNet(), optimizer=sgd, loss_fn=loss_with_inf_grad_on_marked_rows, autocast=torch.float16) as session:
         results = [await session.step(batch) for batch in batches]
-        scales = [actor.scaler.get_scale() for actor in session._core._actors]  # type: ignore[union-attr]
+        scales = [scaler.get_scale() for scaler in scalers_of(session)]
         checkpoint = session.checkpoint()
     assert [r.skipped for r in results] == [False, True, False, False]
     assert scales[0] == scales[1] == 65536.0 / 2

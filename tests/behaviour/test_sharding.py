@@ -17,25 +17,11 @@ import torch
 from torch import nn
 
 import gsync
-from gsync._core.transports.sharding import shard_bounds
-from tests.support.models import TiedNet, classification_loss, make_batches
+from gsync.comm._shards import shard_bounds
+from tests.support.models import TINY, TiedNet, adam, adamw, classification_loss, make_batches, momentum
 from tests.support.reference import plain_loop, step_lr
 
 pytestmark = pytest.mark.asyncio
-
-TINY = {"first_bucket_mb": 0.001, "bucket_cap_mb": 0.002}  # several buckets, most split unevenly over 3
-
-
-def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-2)
-
-
-def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def grouped_adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:

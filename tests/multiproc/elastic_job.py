@@ -40,6 +40,7 @@ from torch.utils.data import DistributedSampler
 import gsync
 from gsync._core.elastic.quorum import run_scope
 from gsync_pytest import gsync_threads
+from tests.support.inside import replace_initial_broadcast
 
 FEATURES = 6
 ROWS = 12  # a global batch: 4 rows per rank on 3 ranks, 6 on 2, 3 on 4
@@ -149,12 +150,10 @@ def first_knock_key() -> str:
 def die_as_the_session_opens() -> None:
     # The first collective that needs every rank's data (rank 0's initial parameters, sent to all): this rank
     # dies in it, as a process killed while the launch's ranks meet would.
-    import gsync._core.distributed.runtime as runtime
-
     def killed(*args: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    runtime.broadcast_module_state = killed  # type: ignore[assignment]
+    replace_initial_broadcast(killed)
 
 
 async def train(config: dict) -> dict:

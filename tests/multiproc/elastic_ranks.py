@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tests.support.paths import ROOT
 
 __all__ = ("ElasticRanks",)
 
 _JOB = Path(__file__).with_name("elastic_job.py")
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ElasticRanks:
@@ -59,7 +59,7 @@ class ElasticRanks:
             TORCHELASTIC_USE_AGENT_STORE="True",
             OMP_NUM_THREADS="1",
             GLOO_SOCKET_IFNAME="lo",
-            PYTHONPATH=os.pathsep.join([str(_ROOT), env.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
         )
         return env
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.support.models import classification_loss, make_batches, sgd
 from tests.support.harness import run_ranks
+from tests.support.inside import replace_process_group_dist
+from tests.support.models import classification_loss, make_batches, sgd
 
 STEPS = 8
 ROWS = 31  # uneven over 2 devices: weights 16/31 and 15/31
@@ -81,10 +82,7 @@ class CountingDist:
 
 
 def rank_main() -> dict[str, Any]:
-    from gsync._core.transports import process_group
-
     counters: dict[str, CountingDist] = {}
-    real = process_group.dist
 
     async def counted() -> dict[str, Any]:
         import gsync
@@ -92,13 +90,11 @@ def rank_main() -> dict[str, Any]:
         out = await train_all(["cpu"])
         # The same fits again, this time counting what the process-group collective hands to gloo.
         for compression in COMPRESSIONS:
-            counters[str(compression)] = process_group.dist = CountingDist()  # type: ignore[assignment]
-            try:
+            counters[str(compression)] = counter = CountingDist()
+            with replace_process_group_dist(counter):
                 await gsync.Engine(["cpu"], compression=compression, sync_timeout=30).fit(
                     mlp(), make_batches(STEPS, ROWS), optimizer=sgd, loss_fn=classification_loss
                 )
-            finally:
-                process_group.dist = real
         return out
 
     out = asyncio.run(counted())

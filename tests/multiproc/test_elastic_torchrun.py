@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from tests.multiproc.elastic_job import assert_equal_to, uninterrupted
+from tests.support.paths import ROOT
 
 _JOB = Path(__file__).with_name("torchrun_elastic_job.py")
-_ROOT = Path(__file__).resolve().parents[2]
 HOLD = 4  # every worker waits after this step until the test has done what it came to do
 
 # Started by the test (a plain process, as a scheduler would start one): dies with the test process if that is killed.
@@ -65,7 +65,7 @@ class TorchrunJob:
             os.environ,
             OMP_NUM_THREADS="1",
             GLOO_SOCKET_IFNAME="lo",
-            PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]),
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         )
         self.env.pop("TORCHELASTIC_RESTART_COUNT", None)
         self.env.pop("TORCHELASTIC_USE_AGENT_STORE", None)

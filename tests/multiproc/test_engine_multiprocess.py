@@ -12,16 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
-from tests.support.reference import train_reference
 from tests.support.harness import run_ranks
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import state_of, train_reference
 
 STEPS = 5
 ROWS = 19  # uneven over 2 and over 4 devices
-
-
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def train_everywhere() -> dict[str, Any]:
@@ -40,15 +36,15 @@ def train_everywhere() -> dict[str, Any]:
 
     async def fits() -> None:
         one = await gsync.Engine(["cpu"], sync_timeout=30).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
-        out["gsync_1x2"] = (_state(one.model), one.losses)
+        out["gsync_1x2"] = (state_of(one.model), one.losses)
         two = await gsync.Engine(["cpu:0", "cpu:1"], sync_timeout=30).fit(copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss)
-        out["gsync_2x2"] = (_state(two.model), two.losses)
+        out["gsync_2x2"] = (state_of(two.model), two.losses)
         # Process-local data: each rank feeds its own half of every batch.
         local = [tuple(t[rank::2] for t in batch) for batch in make_batches(STEPS, 20)]
         three = await gsync.Engine(["cpu"], sync_timeout=30).fit(
             copy.deepcopy(model), local, optimizer=sgd, loss_fn=classification_loss, process_local_data=True
         )
-        out["local"] = (_state(three.model), three.losses)
+        out["local"] = (state_of(three.model), three.losses)
 
     asyncio.run(fits())
 
@@ -64,13 +60,13 @@ def train_everywhere() -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         classification_loss(ddp, (x, y)).backward()
         optimizer.step()
-    out["ddp"] = _state(ddp.module)
+    out["ddp"] = state_of(ddp.module)
 
     async def with_user_group() -> None:
         result = await gsync.Engine(["cpu"], process_group=dist.group.WORLD, sync_timeout=30).fit(
             copy.deepcopy(model), batches, optimizer=sgd, loss_fn=classification_loss
         )
-        out["user_group"] = _state(result.model)
+        out["user_group"] = state_of(result.model)
         # The user's group is left up.
         probe = torch.ones(1)
         dist.all_reduce(probe)
@@ -88,8 +84,8 @@ def test_matches_one_device_training_and_ddp() -> None:
     model = TiedNet()
     expected, expected_losses = train_reference(model, make_batches(STEPS, ROWS))
     expected_20, _ = train_reference(model, make_batches(STEPS, 20))
-    reference = _state(expected)
-    reference_20 = _state(expected_20)
+    reference = state_of(expected)
+    reference_20 = state_of(expected_20)
     for result in results:
         out = result.value
         for key in ("gsync_1x2", "gsync_2x2"):

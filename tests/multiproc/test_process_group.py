@@ -21,9 +21,10 @@ import gsync
 from gsync._core.transports.process_group import ProcessGroupCollective
 from gsync._core.distributed import GroupMembership, gather_topology, join
 from gsync._core.topology import Topology
-from gsync._core.transports.sharding import shard_bounds
+from gsync.comm._shards import shard_bounds
 
 from tests.support.harness import RankResult, run_ranks
+from tests.support.inside import take_the_scatter_path
 
 # Local devices per rank: 1 each, 2 each, and uneven.
 LAYOUTS: tuple[tuple[int, int], ...] = ((1, 1), (2, 2), (1, 2))
@@ -145,7 +146,7 @@ def _reduce_scatter(dtype: torch.dtype, numel: int, scatter_by_all_reduce: bool)
         # never reports completion to that polling, which is why gloo takes the all-reduce).
         abort = threading.Event() if scatter_by_all_reduce else None
         collective = ProcessGroupCollective(session.group, topology, abort)
-        collective._scatter_by_all_reduce = scatter_by_all_reduce
+        take_the_scatter_path(collective, by_all_reduce=scatter_by_all_reduce)
         collective.reduce_scatter(local, weights[topology.local_slice])
         tolerance = {torch.float16: 2e-3, torch.bfloat16: 2e-2}.get(dtype, 1e-6)
         bounds = shard_bounds(numel, n)[topology.local_slice]

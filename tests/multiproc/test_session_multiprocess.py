@@ -13,15 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
 from tests.support.harness import run_ranks
-from tests.support.reference import plain_loop, step_lr
+from tests.support.inside import ended_event, site_hooks_of
+from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import plain_loop, state_of, step_lr
 
 GROUPS = 3  # steps, each accumulating 2 batches
-
-
-def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
 def recipe_everywhere() -> dict[str, Any]:
@@ -53,7 +50,7 @@ def recipe_everywhere() -> dict[str, Any]:
         out["losses"] = [r.loss for r in results]
         out["lrs"] = [r.lr for r in results]
         out["norms"] = [r.grad_norm for r in results]
-        out["state"] = _state(trained)
+        out["state"] = state_of(trained)
         eval_model = copy.deepcopy(trained)
         local = gsync.Engine(["cpu"], sync_timeout=30)
         async with local.session(eval_model, optimizer=sgd, loss_fn=classification_loss, process_local_data=True) as session:
@@ -72,7 +69,7 @@ def test_a_session_recipe_across_processes_matches_a_plain_loop() -> None:
     expected, losses, lrs, norms = plain_loop(
         model, [batches[2 * i : 2 * i + 2] for i in range(GROUPS)], scheduler=step_lr, clip=0.05
     )
-    reference = _state(expected)
+    reference = state_of(expected)
     val = make_batches(2, 13, seed=3)
     expected.eval()
     with torch.no_grad():
@@ -147,7 +144,7 @@ def failure_while_rank_0_waits_between_steps(slow_first_update: bool = False) ->
             abort.wait(3.0)
 
     if slow_first_update and rank == 0:
-        engine._site_hooks.append(slow_optimizer)
+        site_hooks_of(engine).append(slow_optimizer)
 
     async def main() -> None:
         with gsync.testing.inject(engine, *faults):
@@ -437,7 +434,7 @@ def held_session_whose_peer_fails_while_it_is_idle(raised_by: str) -> dict[str, 
                 return
             started = time.monotonic()
             with anyio.fail_after(20):  # the user's code doing something else; the session closes by itself
-                await session._service.done.wait()
+                await ended_event(session).wait()
             out["closed_after"] = time.monotonic() - started
             out["threads"] = gsync_threads()
             try:

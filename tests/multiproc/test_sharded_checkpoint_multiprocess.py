@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +23,15 @@ from torch import nn
 
 import gsync
 from tests.support.harness import run_ranks
-from tests.support.models import TiedNet, classification_loss, make_batches
-from tests.support.reference import step_lr
+from tests.support.inside import wrap_sharded_gather
+from tests.support.models import TINY, TiedNet, adamw, classification_loss, make_batches
+from tests.support.reference import state_of, step_lr
 
 STEPS = 6
 EVERY = 2  # files after steps 1, 3 and 5
 RESUME_AT = 3
 ROWS = 19  # uneven over 2, 3 and 4 devices
 CLIP = 0.5
-TINY = {"first_bucket_mb": 0.001, "bucket_cap_mb": 0.002}  # several buckets, parameters cut between devices
-
-
-def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def data() -> list[Any]:
@@ -83,23 +80,23 @@ def ranks_checkpoint(directory: str) -> dict[str, Any]:
     """Each rank: a sharded 2 x 2 fit writing files, a sharded 2 x 1 fit resumed from the middle one, a sharded
     session's checkpoint, and a failure."""
     out: dict[str, Any] = {}
-    from gsync._core.session import core
-
     gathered_in: list[str] = []
-    gather = core.gather_whole_state
 
-    def gather_noting_its_thread(*args: Any) -> Any:
-        gathered_in.append("the event loop's" if threading.current_thread() is threading.main_thread() else "a worker")
-        return gather(*args)
+    def noting_its_thread(gather: Callable[..., Any]) -> Callable[..., Any]:
+        def gather_noting_its_thread(*args: Any) -> Any:
+            gathered_in.append("the event loop's" if threading.current_thread() is threading.main_thread() else "a worker")
+            return gather(*args)
 
-    core.gather_whole_state = gather_noting_its_thread  # type: ignore[assignment]  # the real gather, its thread noted
+        return gather_noting_its_thread
+
+    wrap_sharded_gather(noting_its_thread)  # the real gather, its thread noted
 
     async def run() -> None:
         result = await fit(["cpu:0", "cpu:1"], True, checkpoint_dir=Path(directory))
         out["fit"] = (result.checkpoint, result.first_step)
         out["fit_gathered_in"] = list(gathered_in)
         resumed = await fit(["cpu"], True, resume=Path(directory) / f"step-{RESUME_AT:08d}.pt")
-        out["resumed"] = (result_state(resumed), resumed.first_step)
+        out["resumed"] = (state_of(resumed.model), resumed.first_step)
         out["session"] = await session_checkpoint(["cpu"], True)
         try:
             await fit(["cpu"], True, loss_fn=failing_loss)
@@ -109,10 +106,6 @@ def ranks_checkpoint(directory: str) -> dict[str, Any]:
 
     asyncio.run(run())
     return out
-
-
-def result_state(result: gsync.FitResult) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in result.model.state_dict().items()}
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +163,7 @@ def test_its_files_resume_unsharded_sharded_again_and_on_another_device_count(
     ranks: tuple[Path, list[Any]], uninterrupted: gsync.FitResult
 ) -> None:
     directory, values = ranks
-    expected = result_state(uninterrupted)
+    expected = state_of(uninterrupted.model)
     middle = directory / f"step-{RESUME_AT:08d}.pt"
     for rank, value in enumerate(values):
         state, first_step = value["resumed"]
@@ -179,7 +172,7 @@ def test_its_files_resume_unsharded_sharded_again_and_on_another_device_count(
     for devices, shard in ((["cpu:0", "cpu:1"], False), (["cpu:0", "cpu:1", "cpu:2"], True)):
         resumed = asyncio.run(fit(devices, shard, resume=middle))
         assert resumed.first_step == RESUME_AT + 1
-        assert_same_state(result_state(resumed), expected, f"resumed on {len(devices)} devices, shard_optimizer={shard}")
+        assert_same_state(state_of(resumed.model), expected, f"resumed on {len(devices)} devices, shard_optimizer={shard}")
 
 
 @pytest.mark.timeout(300)

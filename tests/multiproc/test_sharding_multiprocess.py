@@ -11,29 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 
 from tests.support.harness import run_ranks
-from tests.support.models import TiedNet, classification_loss, make_batches
+from tests.support.models import TINY, TiedNet, adam, adamw, classification_loss, make_batches, momentum
 from tests.support.reference import plain_loop
 
 STEPS = 4
 ROWS = 19  # uneven over 2 and over 4 devices
 CLIP = 0.5
-TINY = {"first_bucket_mb": 0.001, "bucket_cap_mb": 0.002}
-
-
-def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.Adam(params, lr=1e-2)
-
-
-def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
 
 OPTIMIZERS = {"sgd_momentum": momentum, "adam": adam, "adamw": adamw}
 LAYOUTS = {"2x1": ["cpu"], "2x2": ["cpu:0", "cpu:1"]}

@@ -17,11 +17,11 @@ from tests.support.batchnorm import (
     norm_batches,
     norm_loss,
     norm_sgd,
-    state_of,
     synced,
     worst_difference,
 )
 from tests.support.harness import run_ranks
+from tests.support.reference import state_of
 
 # Uneven over 2 and over 4 devices; 2 rows over 4 devices leaves rank 1 without any (the padded protocol).
 ROWS = [11, 13, 2, 9]

@@ -16,12 +16,12 @@ from tests.support.batchnorm import (
     full_batch_reference,
     norm_batches,
     norm_loss,
-    state_of,
     synced,
     worst_difference,
 )
 from tests.support.harness import run_ranks
 from tests.support.models import TiedNet, classification_loss, sgd
+from tests.support.reference import state_of
 
 
 def rank_batches(rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

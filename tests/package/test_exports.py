@@ -27,8 +27,9 @@ def public_modules() -> list[str]:
 
 
 PUBLIC = public_modules()
-# Re-exported at the top as well; gsync.testing is a namespace of its own (gsync.testing.fail, ...).
-NOT_AT_THE_TOP = {"gsync.testing"}
+# Re-exported at the top as well; gsync.testing is a namespace of its own (gsync.testing.fail, ...), and so are the
+# monitoring modules (gsync.loggers.CSVLogger, gsync.metrics.serve, gsync.report.main).
+NOT_AT_THE_TOP = {"gsync.testing", "gsync.loggers", "gsync.metrics", "gsync.report"}
 
 # Names a public module defines and deliberately leaves out of __all__.
 NOT_EXPORTED: dict[tuple[str, str], str] = {

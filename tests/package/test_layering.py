@@ -1,5 +1,5 @@
-"""The package's layering: no import cycle between gsync's modules, not even through imports made only for
-type checkers, and nothing below the Engine imports it."""
+"""The package's layering: packages in one declared order (each imports only those below it), no import cycle
+between modules, not even through imports made only for type checkers, and nothing below the Engine imports it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,64 @@ def graph() -> dict[str, set[str]]:
         for name, path in modules.items()
         if not path.name == "__init__.py"
     }
+
+
+# Bottom first: a package may import only the packages before it. A package is a subpackage of gsync._core (or
+# of gsync), or a module that stands alone at that level. A new package goes where what it imports puts it.
+LAYERS = (
+    "gsync.errors",
+    "gsync.types",
+    "gsync._core.threads",
+    "gsync._core.base",  # what a failure means, outcomes, the per-step facts: the shared bottom
+    "gsync._core.topology",
+    "gsync._core.devices",
+    "gsync.checkpoint",
+    "gsync.elastic",
+    "gsync.trace",
+    "gsync.comm",
+    "gsync._core.streams",
+    "gsync._core.data",
+    "gsync._core.monitoring",  # loggers' dispatch, the process's counters, pictures: FitResult.plot draws with it
+    "gsync.result",
+    "gsync.loggers",
+    "gsync.metrics",
+    "gsync.report",
+    "gsync._core.trace_files",
+    "gsync._core.gradients",
+    "gsync._core.distributed",
+    "gsync._core.transports",
+    "gsync._core.step",
+    # Features over the step: the step path names them only through step/features.py's protocols.
+    "gsync._core.batchnorm",
+    "gsync._core.sharding",
+    "gsync._core.state",
+    "gsync._core.settings",
+    "gsync._core.elastic",
+    "gsync._core.arguments",
+    "gsync._core.session",
+    "gsync.session",
+    "gsync.engine",
+    "gsync.testing",
+)
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    depth = 3 if parts[1] == "_core" else 2
+    return ".".join(parts[:depth])
+
+
+def test_packages_import_only_packages_below_them() -> None:
+    order = {package: position for position, package in enumerate(LAYERS)}
+    undeclared = sorted({package_of(module) for module in graph()} - set(order))
+    assert undeclared == [], f"declare {undeclared} in LAYERS, above every package it imports"
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph().items()
+        for target in targets
+        if order[package_of(target)] > order[package_of(module)]
+    )
+    assert upward == [], "imports against the declared package order (move the shared part down):\n" + "\n".join(upward)
 
 
 def test_no_import_cycle_between_modules() -> None:

@@ -63,10 +63,6 @@ def full_batch_reference(model: nn.Module, steps: Sequence[Sequence[Any]]) -> nn
     return model
 
 
-def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
 def worst_difference(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> tuple[float, str]:
     """The largest difference over every parameter and buffer (running statistics included), and where."""
     worst, where = 0.0, ""

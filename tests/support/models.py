@@ -1,4 +1,4 @@
-"""The models, batches, loss and optimizer most tests train with."""
+"""The models, batches, loss and optimizers most tests train with, and the devices and bucket sizes they run on."""
 
 from __future__ import annotations
 
@@ -7,6 +7,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+TWO = ["cpu:0", "cpu:1"]
+"""Two CPU devices in one process: the smallest engine that syncs anything."""
+
+TINY = {"first_bucket_mb": 0.001, "bucket_cap_mb": 0.002}
+"""Engine settings for several buckets of a small model, most cut unevenly between devices (parameters split)."""
 
 
 class TiedNet(nn.Module):
@@ -77,3 +83,15 @@ def classification_loss(model: nn.Module, batch: Sequence[torch.Tensor]) -> torc
 
 def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+
+def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)

@@ -25,6 +25,11 @@ def train_reference(
     return model, losses
 
 
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every parameter and buffer, by name, that later training does not change."""
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
 def assert_same_state(actual: nn.Module, expected: nn.Module, atol: float = 2e-5) -> None:
     expected_state = expected.state_dict()
     for name, value in actual.state_dict().items():

@@ -24,7 +24,7 @@ from torch import nn
 import gsync
 from gsync._core.threads import LoopHandle
 from gsync._core.step.actor import DeviceActor
-from gsync._core.step.agreement import LocalAgreement
+from gsync._core.base.agreement import LocalAgreement
 from gsync._core.gradients.buckets import BucketPlan
 from gsync._core.gradients.buffers import BufferSync
 from gsync.comm.local import LocalCollective

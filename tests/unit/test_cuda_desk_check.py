@@ -25,7 +25,7 @@ from torch import nn
 import gsync
 from tests.support.models import TiedNet, make_batches, sgd
 from gsync._core.threads import FitAborted
-from gsync._core.step.agreement import AgreedStep, StepFacts
+from gsync._core.base.agreement import AgreedStep, StepFacts
 from gsync._core.gradients.buffers import BufferSync
 from gsync._core.transports.nccl import prepare_for_nccl
 from gsync._core.distributed.membership import GroupMembership

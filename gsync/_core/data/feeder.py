@@ -122,6 +122,12 @@ def check_batch_source(data: object) -> None:
         raise InputTypeError(
             "data is a dict (one batch?), and iterating it gives its keys; pass an iterable of batches, e.g. [batch]"
         )
+    if isinstance(data, torch.utils.data.Dataset) and not isinstance(data, (Iterable, AsyncIterable)):
+        # A map-style dataset (indexed, with no __iter__) holds samples, not batches.
+        raise InputTypeError(
+            f"data is a {type(data).__name__}, a dataset of single samples; gsync takes an iterable of batches: "
+            f"wrap it in a DataLoader, e.g. data=torch.utils.data.DataLoader(dataset, batch_size=64, shuffle=True)"
+        )
     if not isinstance(data, (Iterable, AsyncIterable)):
         raise InputTypeError(f"data must be an iterable or async iterable of batches, got {type(data).__name__}")
 

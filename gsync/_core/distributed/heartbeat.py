@@ -109,6 +109,8 @@ class Heartbeat:
         self._call_started: float | None = None
         self._changed = threading.Condition()
         self._stopping = threading.Event()
+        self._wake = threading.Event()
+        """Set by :meth:`nudge` and :meth:`stop`: the beat thread does not wait out its interval."""
         self._thread: threading.Thread | None = None
         self._on_lost: Callable[[list[LostRank]], object] | None = None
         self.store_error: BaseException | None = None
@@ -136,6 +138,16 @@ class Heartbeat:
         """Call ``callback(lost)`` once, from the heartbeat thread, when a peer has been silent for ``lost_after_s``."""
         self._on_lost = callback
 
+    def nudge(self) -> None:
+        """This rank moved on (a step applied): publish where it is now rather than at the next beat.
+
+        Steps are often shorter than the interval, so without it a rank killed
+        a few steps into a run would be last heard "starting the session".
+        Only this rank's own beat is written early (peers are read at the
+        interval, as before), at most every ``interval_s / 5``.
+        """
+        self._wake.set()
+
     def _next_beat(self, left: bool = False) -> Beat:
         where = Whereabouts(self._held[0].step, "left the session") if left else self._where()
         held, since = self._held
@@ -156,8 +168,19 @@ class Heartbeat:
         keys = [self._key(rank) for rank in self._peers]
         present = not keys
         reported = False
+        next_read = time.monotonic() + self.interval_s
         try:
-            while not self._stopping.wait(self.interval_s):
+            while True:
+                self._wake.wait(max(0.0, next_read - time.monotonic()))
+                self._wake.clear()
+                if self._stopping.is_set():
+                    break
+                if time.monotonic() < next_read:
+                    self._publish(store)
+                    # Nudges that come meanwhile are one: the next early beat waits this long.
+                    self._stopping.wait(self.interval_s / 5)
+                    continue
+                next_read = time.monotonic() + self.interval_s
                 try:
                     present = self._beat(store, keys, present)
                 except Exception as error:  # noqa: BLE001 - kept for diagnose(); the next beat tries again
@@ -180,6 +203,13 @@ class Heartbeat:
         finally:
             with self._changed:
                 self._changed.notify_all()
+
+    def _publish(self, store: dist.Store) -> None:
+        """Write this rank's beat only (a nudge); a failure is the next full beat's to find."""
+        try:
+            self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))
+        except Exception as error:  # noqa: BLE001 - kept for diagnose(), as a full beat's is
+            self.store_error = error
 
     def _beat(self, store: dist.Store, keys: list[str], present: bool) -> bool:
         """Write this rank's beat and read every peer's (one write and one read); whether all peers have beaten."""
@@ -296,6 +326,7 @@ class Heartbeat:
     def stop(self) -> bool:
         """Stop beating; whether the thread ended (its store calls time out, so it does within a few seconds)."""
         self._stopping.set()
+        self._wake.set()
         thread = self._thread
         if thread is None:
             return True

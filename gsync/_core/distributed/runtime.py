@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..step.agreement import AgreedStep, StepFacts
+from ..base.agreement import AgreedStep, StepFacts
 from ...errors import ConfigError, GsyncError, LostRank, PeerFailed, PeerLost, SyncTimeout
 from ..topology import Topology
 from .agreement import (
@@ -39,7 +39,7 @@ from .agreement import (
     verify_same_start,
 )
 from .failures import FailureBoard, FailureReport, failure_report, peer_failed
-from ..elastic.recovery import PEER_GONE_KEY, MembershipBroken, abort_communicator, connection_lost
+from ..base.faults import PEER_GONE_KEY, MembershipBroken, abort_communicator, connection_lost
 from .heartbeat import STALE_AFTER_S, Heartbeat, Whereabouts
 from .membership import GroupMembership, join
 from .waiting import wait_work
@@ -423,7 +423,7 @@ class ProcessGroupRuntime:
 
 
 class ProcessGroupAgreement:
-    """The :class:`~gsync._core.step.agreement.StepAgreement` of a multi-process run: one small all-reduce per step."""
+    """The :class:`~gsync._core.base.agreement.StepAgreement` of a multi-process run: one small all-reduce per step."""
 
     local = False
 

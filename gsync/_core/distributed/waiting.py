@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ..threads import FitAborted
 
-__all__ = ("GROUP_TYPES", "WAIT_SLICE", "broadcast_from", "release_settled", "wait_work")
+__all__ = ("DIST_TEARDOWN_S", "GROUP_TYPES", "WAIT_SLICE", "broadcast_from", "release_settled", "wait_work")
 
 # What gsync takes as a group: a registered ProcessGroup, or a bare backend built on a store (an elastic run's
 # generations are; NCCL only where torch was built with it).
@@ -48,6 +48,8 @@ GROUP_TYPES: tuple[type, ...] = (dist.ProcessGroup, dist.ProcessGroupGloo) + (
 )
 
 WAIT_SLICE = timedelta(milliseconds=50)
+# Upper bound on reporting a failure to other ranks and closing a process group.
+DIST_TEARDOWN_S = 10.0
 """How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""
 
 _SETTLING: deque[dist.Work] = deque(maxlen=16)

@@ -34,7 +34,7 @@ from ..state.held import HeldState
 from ..state.replicas import import_optimizer_machinery
 from ..threads import FitAborted
 from .quorum import Decision, ElasticRun, Generation, NotAMember, RunGone
-from .recovery import connection_lost
+from ..base.faults import connection_lost
 
 __all__ = ("ElasticMembership",)
 
@@ -47,6 +47,14 @@ class ElasticMembership:
     def __init__(self, settings: Elastic, store: dist.Store | None, group_timeout_s: float, device: torch.device | None = None) -> None:
         self.settings = settings
         self._device = device if device is not None and device.type == "cuda" else None
+        for name in ("RANK", "WORLD_SIZE"):
+            if os.environ.get(name, "") == "":
+                raise ConfigError(
+                    f"Engine(elastic=...) runs one process per rank, started by a launcher, and the environment "
+                    f"variable {name} is not set (a plain `python` run?): launch with torchrun (e.g. torchrun "
+                    "--nproc-per-node=2 train.py, which sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or drop "
+                    "elastic= to train in this one process"
+                )
         self.launch_rank = env_int("RANK")
         self.launch_world = env_int("WORLD_SIZE")
         if not 0 <= self.launch_rank:

@@ -56,7 +56,7 @@ from ...elastic import Elastic
 from ...errors import ConfigError
 from ..distributed.heartbeat import STALE_AFTER_S
 from ..threads import FitAborted
-from .recovery import PEER_GONE_KEY, abort_communicator
+from ..base.faults import PEER_GONE_KEY, abort_communicator
 
 __all__ = ("Decision", "ElasticRun", "Generation", "NotAMember", "RunGone", "run_scope")
 

@@ -14,25 +14,25 @@ from typing import TYPE_CHECKING
 
 from ..threads import LoopHandle, WorkerThread
 from ..step.actor import DeviceActor
-from ..step.agreement import LocalAgreement, StepAgreement
+from ..base.agreement import LocalAgreement, StepAgreement
 from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
-from ..transports.capabilities import IN_PLACE
+from ...comm._capabilities import IN_PLACE
 from ..transports.compressed import CompressedCollective
 from ...comm.local import LocalCollective
 from ..transports.nccl import NcclCollective
 from ..transports.process_group import ProcessGroupCollective
 from ..step.context import ActorContext, FirstStepInTurn, Recipe, ReplicaFingerprints
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S, ProcessGroupAgreement, ProcessGroupRuntime
-from ..step.batchnorm import BatchStatsExchange, adopt_sync_batchnorm, has_sync_batchnorm, sync_batchnorm_width
+from ..batchnorm import BatchStatsExchange, adopt_sync_batchnorm, has_sync_batchnorm, sync_batchnorm_width
 from ..step.inbox import ServerInbox
 from ..step.mailbox import Mailbox
 from ..step.messages import ServerMessage, SessionMessage
-from ..gradients.rebuild import PlanRebuild
+from ..step.rebuild import PlanRebuild
 from ..state.replicas import Replica
 from ..step.server import SyncServer
-from ..step.sharding import ReplicaShard, ShardedStep
+from ..sharding.step import ReplicaShard, ShardedStep
 from ..streams import CudaStreamSync, StreamSync, make_stream_sync
 from ..topology import Topology
 from ...trace import Trace
@@ -56,6 +56,8 @@ class Assembly:
     server_mailbox: Mailbox[ServerMessage]
     session_mailbox: Mailbox[SessionMessage]
     trace: Trace | None
+    sharding: ShardedStep | None
+    """``shard_optimizer=True``: the shards and their gather (the step's parts see it as ``context.sharding``)."""
 
 
 def plan_buckets(settings: EngineSettings, named_params: Sequence[tuple[str, object]]) -> BucketPlan:
@@ -126,7 +128,7 @@ def assemble(
         )
     return Assembly(
         topology, context, actors, server, collective, streams, buffers, rebuild,
-        server_mailbox, session_mailbox, trace,
+        server_mailbox, session_mailbox, trace, sharding,
     )
 
 

@@ -12,20 +12,23 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
 from ...errors import ConfigError, GsyncError, SessionClosed, SyncFailed, SyncTimeout
 from ..distributed import peer_failed
-from ..elastic.recovery import MembershipBroken, recoverable
+from ..base.faults import MembershipBroken, recoverable
 from ..threads import FitAborted, LoopEvent, LoopHandle, WorkerThread
 from .lifecycle import SessionLife
-from .outcome import is_cancellation
+from ..base.outcome import first_failure, is_cancellation
+from .operations import Operation, OperationSite
 from .peers import PeerLink
 from .state import SessionState
 
 __all__ = ("CallGate",)
+
+_R = TypeVar("_R")
 
 
 class CallGate:
@@ -176,6 +179,23 @@ class CallGate:
         if symptom or scope.cancelled_caught:
             raise life.failure or SessionClosed("the session closed during an operation")
         self._done += 1
+
+    async def run(self, operation: Operation[_R, Any], site: OperationSite) -> _R:
+        """Run ``operation``: its input checked, then refused if the session cannot take it, then run as one
+        operation (see :meth:`operation`); a failure of its own (a collective, a device, its data) fails the
+        session, whose ranks' collectives no longer match.
+        """
+        operation.check()
+        await self.check(operation.what)
+        failure: BaseException | None = None
+        try:
+            async with self.operation(site.loop_handle()):
+                return await operation.run(site)
+        except BaseExceptionGroup as errors:
+            failure = first_failure(errors)
+        except GsyncError as error:
+            failure = error
+        raise self._life.fail(failure)
 
     def counted(self) -> None:
         """An operation that ran outside :meth:`operation` (a sharded checkpoint's gather) completed."""

@@ -31,7 +31,8 @@ from types import TracebackType
 
 import anyio
 
-from .outcome import is_cancellation
+from ..base.outcome import is_cancellation
+from ...errors import _drop_internal_frames
 
 __all__ = ("cancellation_kept",)
 
@@ -60,6 +61,7 @@ class cancellation_kept:  # noqa: N801 - used as a function, ``with cancellation
         return None
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None) -> None:
+        _drop_internal_frames(error)  # a user-caused error starts at the caller's line too
         if error is not None and is_cancellation(error):
             self._annotate(error)
             return

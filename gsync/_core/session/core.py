@@ -26,10 +26,10 @@ import copy
 import math
 import threading
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -37,11 +37,10 @@ import torch
 from torch import nn
 
 from ...checkpoint import Checkpoint
-from ...errors import CheckpointError, ConfigError, GsyncError, InputTypeError, MailboxClosed, SessionClosed, SyncFailed
+from ...errors import CheckpointError, ConfigError, GsyncError, MailboxClosed, SessionClosed, SyncFailed
 from ...result import FitStats, StepResult
 from ...trace import Trace
 from ..data.batches import batch_rows, shard_rows, split_batch
-from ..data.feeder import check_batch_source
 from ..distributed import peer_failed
 from ..distributed.runtime import ProcessGroupRuntime
 from ..state.held import HeldState
@@ -54,17 +53,20 @@ from ..topology import Topology
 from .assembly import Assembly, session_trace
 from .calls import CallGate
 from .lifecycle import SessionLife
-from .operations import ReduceOp, local_metric_sums, reduced_as
-from .outcome import first_failure, raised_by_block
+from .operations import Operation, ReduceOp
+from ..base.outcome import raised_by_block
 from .peers import PeerLink
-from .sharded_checkpoint import gather_whole_state
-from .state import LifecycleError, SessionState
+from ..sharding.checkpoint import gather_whole_state
+from .state import Change, LifecycleError, SessionState
 
 if TYPE_CHECKING:
     from ..elastic.membership import ElasticMembership
     from ..settings import EngineSettings
 
 __all__ = ("ReduceOp", "SessionCore", "run_generation")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 class SessionCore:
@@ -103,17 +105,14 @@ class SessionCore:
         self._next_step = self.first_step
         self.last_applied_at: float | None = None
         """When the last step was applied (``time.monotonic()``)."""
-        self.replay_pending = resume is not None if replay is None else replay
-        """Until the first step: a fit on this session replays its data up to the checkpoint it resumed from."""
+        self._replay_from = resume if (resume is not None if replay is None else replay) else None
         self._trace = session_trace(settings)
         self._synced_before = FitStats()
         """The counters of the generations that ended (each generation's sync server counts its own)."""
         self._snapshot: nn.Module | None = None
         self._snapshot_step = -1
         self._snapshot_wanted = False
-        self._changing = False
-        self.traced = False
-        """Some generation was built and recorded on the trace (a start that failed before that leaves no file)."""
+        self._change: Change | None = None
         self._begin(resume, None, agreed_start)
 
     def _begin(
@@ -123,8 +122,6 @@ class SessionCore:
         ``topology``: the last generation's, which the session reports until this one has joined its group."""
         self.start_step = self._next_step
         """The step the parts running now started from (the first step after the last membership change)."""
-        self.change_due = False
-        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
         abort = threading.Event()  # every thread of the generation leaves its wait when it is set
         self._peers = PeerLink(self, abort)
         self._life = SessionLife(
@@ -134,7 +131,7 @@ class SessionCore:
             topology=topology,
         )
         self._calls = CallGate(
-            self._life, self._peers, abort, self._settings.sync_timeout, lambda: self._changing, lambda: self._next_step - 1
+            self._life, self._peers, abort, self._settings.sync_timeout, lambda: self.changing, lambda: self._next_step - 1
         )
 
     def next_generation(self, held: HeldState | None, agreed_start: bool) -> None:
@@ -149,6 +146,7 @@ class SessionCore:
         built = self._life.workers.built
         if built is not None:
             self._synced_before = _added(self._synced_before, built)
+        self._change = Change.JOINING
         if held is None:
             # Nobody had applied a step: the run starts over from what the session opened with.
             self._next_step = 0 if self._resume is None else self._resume.next_step
@@ -245,13 +243,34 @@ class SessionCore:
     def state(self) -> SessionState:
         """Where the session is in its lifecycle (see :mod:`gsync._core.session.state`): its generation's state,
         or ``CHANGING`` from the moment its generation ends for a membership change until the next one is open."""
-        return SessionState.CHANGING if self._changing else self._life.state
+        return SessionState.CHANGING if self.changing else self._life.state
 
     @property
     def changing(self) -> bool:
         """Between two generations of an elastic run: the last one ended for a membership change (one every rank
         agreed on, or a loss), and the next one is not open yet."""
-        return self._changing
+        return self._change in (Change.PLANNED, Change.LOST, Change.JOINING)
+
+    @property
+    def change(self) -> Change | None:
+        """Where an elastic run's membership change stands (``None``: none is due or under way)."""
+        return self._change
+
+    @property
+    def change_due(self) -> bool:
+        """Every rank agreed to change the elastic run's membership after the last step: the next call changes it."""
+        return self._change is Change.DUE
+
+    @property
+    def pending_replay(self) -> Checkpoint | None:
+        """Until the first step: the checkpoint a fit on this session replays its data up to (the one it resumed
+        from, or the state an elastic run handed it)."""
+        return self._replay_from
+
+    @property
+    def traced(self) -> bool:
+        """Some generation was built and recorded on the trace (a start that failed before that leaves no file)."""
+        return self._trace is not None and bool(self._trace.devices)
 
     @property
     def usable(self) -> bool:
@@ -270,15 +289,18 @@ class SessionCore:
         """End the generation for a membership change every rank agreed on: the next generation goes on with its
         replicas (:meth:`hold`), so the model passed in is not written back."""
         self._life.end_for_change()
-        self._changing = True
+        self._change = Change.PLANNED
 
     def lost_generation(self) -> None:
-        """The generation ended because a member was lost, and the elastic run goes on with the others."""
-        self._changing = True
+        """The generation ended because a member was lost, and the elastic run goes on with the others (a
+        generation ending for a planned change that loses a member on the way stays a planned change: the peers
+        still finishing its last step finish it)."""
+        if self._change is not Change.PLANNED:
+            self._change = Change.LOST
 
     def generation_open(self) -> None:
         """The generation :func:`run_generation` started is open: calls run on it."""
-        self._changing = False
+        self._change = None
 
     def _describe_trace(self) -> None:
         """Once the generation's parts are built: say on the trace which process it is. In an elastic run that is its
@@ -288,7 +310,6 @@ class SessionCore:
         trace, elastic, topology = self._trace, self._elastic, self._topology
         if trace is None:
             return
-        self.traced = True
         devices = [spec.name for spec in self._settings.devices]
         if elastic is not None:
             trace.describe(elastic.launch_rank, elastic.launch_world, devices)
@@ -297,7 +318,7 @@ class SessionCore:
 
     def ended(self) -> None:
         """The session opens no further generation (it closed, failed, or its run ended)."""
-        self._changing = False
+        self._change = None
 
     def hold(self, finish: Callable[[Checkpoint], Checkpoint]) -> HeldState | None:
         """Once its generation has ended: the state it leaves the next one (see :meth:`SessionLife.hold`)."""
@@ -317,7 +338,7 @@ class SessionCore:
         With ``shard_optimizer=True`` across processes it is a collective, called on the event loop: every
         rank takes it between the same steps, and the other ranks' slices of the optimizer state are gathered
         in the communication thread while the loop waits (see
-        :mod:`~gsync._core.session.sharded_checkpoint`; :meth:`checkpoint_off_loop` leaves the loop free). It
+        :mod:`~gsync._core.sharding.checkpoint`; :meth:`checkpoint_off_loop` leaves the loop free). It
         counts as one of the session's operations; a failed gather fails the session.
 
         :raises ~gsync.CheckpointError: when the ranks' optimizer states do not make a whole one.
@@ -348,7 +369,7 @@ class SessionCore:
     def _gather(self) -> Callable[[], dict[int, dict[str, Any]]] | None:
         """A sharded run's gather of the whole optimizer state across processes (``None`` when there is none to
         make); from now on this rank waits in a collective, as its heartbeat says."""
-        sharding = self._parts.context.sharding
+        sharding = self._parts.sharding
         runtime = self._peers.runtime
         if sharding is None or runtime is None:
             return None
@@ -382,7 +403,7 @@ class SessionCore:
         thread, while an elastic run's change builds the next generation's parts and moves the step count.
         """
         actor = self._actors[0]
-        sharding = self._parts.context.sharding
+        sharding = self._parts.sharding
         step = self._next_step - 1
 
         def capture() -> Checkpoint:
@@ -398,7 +419,7 @@ class SessionCore:
     def checkpoint_gathers(self) -> bool:
         """A ``shard_optimizer=True`` run across processes: :meth:`checkpoint` is a collective every rank takes."""
         built = self._life.workers.built
-        return self.world_size > 1 and built is not None and built.context.sharding is not None
+        return self.world_size > 1 and built is not None and built.sharding is not None
 
     def generators(self) -> dict[str, Any] | None:
         """The global random generators' state as a checkpoint keeps it (``None`` across processes)."""
@@ -443,10 +464,11 @@ class SessionCore:
             loss, applied = await self._await_applied(step)
         self._next_step = step + 1
         self.last_applied_at = time.monotonic()
+        self._peers.stepped()
         runtime = self._peers.runtime
         if runtime is not None and runtime.change_after == step:
-            self.change_due = True
-        self.replay_pending = False
+            self._change = Change.DUE
+        self._replay_from = None
         if self._snapshot_wanted:
             self._refresh_snapshot()
         return StepResult(
@@ -476,7 +498,7 @@ class SessionCore:
                     "engine.session(..., process_local_data=True, uneven='join')"
                 )
             rows = batch_rows(batch, f"the batch of step {step}")
-            counts, shards = self._split_one(batch, rows)
+            counts, shards = self.split_one(batch, rows)
             total = rows * topology.world_size if self._process_local else rows
             global_rows += total
             local_rows.append(tuple(counts))
@@ -523,7 +545,7 @@ class SessionCore:
         padded: list[bool] = []
         for p in kept:
             batch = batches[p]
-            counts_p, parts = ([0] * local, [None] * local) if batch is None else self._split_one(batch, own_rows[p])
+            counts_p, parts = ([0] * local, [None] * local) if batch is None else self.split_one(batch, own_rows[p])
             total = int(totals[p])
             local_rows.append(tuple(counts_p))
             padded.append(bool((rows[:, p] == 0).any()))
@@ -558,83 +580,34 @@ class SessionCore:
 
     # -- evaluate and all_reduce ------------------------------------------------------
 
-    async def evaluate(self, data: Iterable[Any] | AsyncIterable[Any], *, metric_fn: MetricFn | None = None) -> dict[str, float]:
-        """Row-weighted metric sums over every global batch of ``data``, as global means (see :meth:`gsync.Session.evaluate`)."""
-        await self._calls.check("evaluate")
-        check_batch_source(data)
-        if metric_fn is not None and not callable(metric_fn):
-            raise InputTypeError("metric_fn must be callable as metric_fn(model, shard) -> scalar or dict of scalars")
+    async def run(self, operation: Operation[_R, Any]) -> _R:
+        """A collective call of the session (an evaluation, an all_reduce) through its call gate; its result as every
+        rank holds it (:meth:`Operation.delivered` turns it into what the caller gets)."""
+        return await self._calls.run(operation, self)
+
+    # -- what an operation runs on (OperationSite) -------------------------------------
+
+    @property
+    def last_step(self) -> int:
+        """The last step applied (-1 before the first)."""
+        return self._next_step - 1
+
+    def loss_fn(self) -> MetricFn:
         loss_fn = self._recipe.loss_fn
 
         def loss(model: nn.Module, shard: Any) -> Any:
             return loss_fn(model, shard)
 
-        fn = metric_fn if metric_fn is not None else loss
-        failure: BaseException | None = None
-        try:
-            async with self._operation():
-                names, totals = await self._evaluate(data, fn)
-        except BaseExceptionGroup as errors:
-            failure = first_failure(errors)
-        except GsyncError as error:
-            failure = error
-        if failure is not None:
-            raise self._life.fail(failure)
-        total_rows = float(totals[-1])
-        if total_rows == 0:
-            raise ConfigError("evaluate() got no rows: data yielded nothing")
-        return {name: float(value) / total_rows for name, value in zip(names, totals[:-1].tolist())}
+        return loss
 
-    async def _evaluate(self, data: Iterable[Any] | AsyncIterable[Any], fn: MetricFn) -> tuple[list[str], torch.Tensor]:
-        """Row-weighted metric sums over every batch and local device, then over every process."""
+    def first_calls_in_turn(self) -> bool:
         parts = self._parts
-        sums, rows_seen = await local_metric_sums(
-            parts.actors, data, self.loop_handle(), self._split_one, fn, self._next_step - 1,
-            in_turn=parts.context.first_step is not None and parts.server.steps_synced == 0,
-        )
-        names = sorted(sums)
-        runtime = self._peers.runtime
-        if runtime is not None:
-            # A rank whose devices saw no rows, or a metric whose keys depend on
-            # the data, knows other names: reduce over the union, in one order.
-            local = names
-            names = await self._collective_job(lambda: runtime.union_of_names(local), "evaluate")
-        totals = torch.tensor([sums.get(name, 0.0) for name in names] + [float(rows_seen)], dtype=torch.float64)
-        if runtime is not None:
-            totals = await self._collective_job(lambda: runtime.all_reduce(totals, "sum"), "evaluate")
-        return names, totals
+        return parts.context.first_step is not None and parts.server.steps_synced == 0
 
-    async def all_reduce(self, value: float | torch.Tensor, op: ReduceOp = "sum") -> float | torch.Tensor:
-        """One value per process combined over every process (see :meth:`gsync.Session.all_reduce`)."""
-        if op not in ("sum", "mean", "max", "min"):
-            raise ConfigError(f"op must be 'sum', 'mean', 'max' or 'min', got {op!r}")
-        is_tensor = isinstance(value, torch.Tensor)
-        if not is_tensor and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise InputTypeError(f"all_reduce takes a number or a tensor, got {type(value).__name__}")
-        if isinstance(value, int) and not -(2**63) <= value < 2**63:
-            raise ConfigError(f"all_reduce reduces an int as int64; {value} does not fit: pass a float, or scale it")
-        if op == "mean" and isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex():
-            # Averaged as float64: an integer or bool sum would overflow, and a bool sum is an OR on some backends.
-            value = value.to(torch.float64)
-        await self._calls.check("all_reduce")
-        runtime = self._peers.runtime
-        if runtime is None:
-            return reduced_as(value, value, op, 1)
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-        else:
-            tensor = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
-        failure: GsyncError | None = None
-        try:
-            async with self._operation():
-                reduced = await self._collective_job(lambda: runtime.all_reduce(tensor, "sum" if op == "mean" else op), "all_reduce")
-        except GsyncError as error:
-            failure = error
-        if failure is not None:
-            raise self._life.fail(failure)
-        return reduced_as(value, reduced, op, self._topology.world_size)
+    async def collective(self, job: Callable[[], _T], what: str) -> _T:
+        return await self._collective_job(job, what)  # type: ignore[no-any-return]
 
-    def _split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
+    def split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
         """This process's devices' rows and shards of one batch."""
         topology = self._topology
         if self._process_local:

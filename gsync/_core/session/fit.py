@@ -23,7 +23,7 @@ from ..state.checkpointing import restore_checkpoint_rng
 from ..state.checkpointing import CheckpointWriter
 from ...errors import CheckpointError, ConfigError, StopTraining
 from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch
-from .outcome import flatten, is_cancellation
+from ..base.outcome import flatten, is_cancellation
 from .fit_settings import FitLoopSettings
 from .progress import Progress, progress_wanted
 from ...result import FitResult, StepRecord
@@ -77,7 +77,7 @@ async def run_fit(
     epochs, accumulate, checkpoints = settings.epochs, settings.accumulate, settings.checkpoints
     # The first fit of a resumed session continues the run its checkpoint came from: the data is replayed up to
     # it, and the generators restored there; any other fit trains on its data from the session's next step.
-    resume = core.resume if core.replay_pending else None
+    resume = core.pending_replay
     if resume is not None:
         core.rewind_generators_for_replay()
     # One rank writes: the replicas of every rank hold the same state.
@@ -213,7 +213,8 @@ class _FitLoop:
         self.progress: Progress | None = None
         self._held: tuple[int, int, list[Any], tuple[int, int]] | None = None
         self._epochs_to_close: list[int] = []
-        self._generators_restored = False
+        self._generators_to_restore = resume
+        """The checkpoint whose random generators the run takes once its data is replayed (then ``None``)."""
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
@@ -421,9 +422,9 @@ class _FitLoop:
     def _restore_generators(self) -> None:
         """Once the data before a checkpoint is replayed: from here on the run draws random numbers as the one it
         continues did."""
-        if self.resume is not None and not self._generators_restored:
-            self._generators_restored = True
-            restore_checkpoint_rng(self.resume)
+        checkpoint, self._generators_to_restore = self._generators_to_restore, None
+        if checkpoint is not None:
+            restore_checkpoint_rng(checkpoint)
 
     async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
         """Write the checkpoint a step was due, copied as the step ended; ``generators_now``: with the random

@@ -28,7 +28,7 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ...errors import GsyncError, SessionClosed, SyncFailed, SyncTimeout
-from ..elastic.recovery import recoverable
+from ..base.faults import recoverable
 from ..state.checkpointing import restore_checkpoint_rng
 from ..state.held import HeldState, hold_replicas
 from ..state.recovery import attach_checkpoint, last_consistent
@@ -39,7 +39,7 @@ from ..step.context import Recipe
 from ..threads import LoopHandle
 from ..topology import Topology
 from .assembly import plan_buckets
-from .outcome import first_failure, is_cancellation
+from ..base.outcome import first_failure, is_cancellation
 from .peers import PeerLink
 from .state import Lifecycle, SessionState
 from .workers import SessionWorkers

@@ -23,8 +23,9 @@ import anyio.to_thread
 from ...errors import SESSION_START, GsyncError, LostRank, PeerFailed, PeerLost, SyncFailed
 from ..distributed import FailureReport, peer_failed
 from ..distributed.heartbeat import DevicePosition, Whereabouts, locate
+from ..distributed.waiting import DIST_TEARDOWN_S
 from ..distributed.runtime import ProcessGroupRuntime
-from ..elastic.recovery import MembershipBroken, recoverable
+from ..base.faults import MembershipBroken, recoverable
 from ..elastic.watcher import ReformWatcher
 from ..threads import THREAD_GRACE_S, FitAborted, LoopEvent, LoopHandle, WorkerThread
 from .state import SessionState
@@ -39,8 +40,6 @@ __all__ = ("DEPARTED", "PeerLink", "SessionView", "departure")
 
 logger = logging.getLogger("gsync")
 
-# Upper bound on reporting a failure to other ranks and closing a process group.
-DIST_TEARDOWN_S = 10.0
 # The error type a rank publishes when it leaves its session normally.
 DEPARTED = "SessionClosed"
 # News from an elastic run's watcher: the membership is changing, and this generation's step ends.
@@ -58,7 +57,9 @@ class SessionView(Protocol):
     """What the link reads of the session it belongs to."""
 
     start_step: int
-    change_due: bool
+
+    @property
+    def change_due(self) -> bool: ...
 
     @property
     def next_step(self) -> int: ...
@@ -235,6 +236,12 @@ class PeerLink:
         return left if left is not None and operations_done >= left.operations else None
 
     # -- what the heartbeat says ------------------------------------------------------
+
+    def stepped(self) -> None:
+        """A step was applied: the heartbeat says so now, not at its next beat (see :meth:`Heartbeat.nudge`)."""
+        runtime = self._runtime
+        if runtime is not None:
+            runtime.heartbeat.nudge()
 
     def waiting(self, what: str | None) -> None:
         """This rank waits in a collective of ``what`` (``None``: no longer); a failed one leaves it set, so

@@ -29,17 +29,18 @@ import anyio
 from ...checkpoint import Checkpoint
 from ..step.context import Recipe
 from ...elastic import MembershipChange
-from ...errors import ConfigError, GsyncError, SessionClosed
+from ...errors import ConfigError, GsyncError, SessionClosed, SessionLeftOpenWarning
 from ...result import StepResult
 from ...trace import MARK_TRACK, TraceEvent
-from .outcome import is_cancellation
+from ..base.outcome import is_cancellation
 from .core import SessionCore, run_generation
+from .operations import Operation
 from ..trace_files import finish_trace
-from .state import SessionState
+from .state import Change, SessionState
 from ..distributed.runtime import GROUP_TIMEOUT_MARGIN_S
 from ..elastic.departure import departed as _departed, on_sigterm_depart
 from ..elastic.membership import ElasticMembership
-from ..elastic.recovery import recoverable
+from ..base.faults import recoverable
 from ..state.held import HeldState
 
 if TYPE_CHECKING:
@@ -120,8 +121,6 @@ class SessionService:
             else None
         )
         """The elastic run this session belongs to: the core runs each of its generations in turn."""
-        self._changing = False
-        """A membership change every rank agreed on was asked for: the generation ends for it, not for a close."""
         self._generations = 0
         """How many generations the core has opened."""
         self._replaced = anyio.Event()
@@ -183,7 +182,7 @@ class SessionService:
                         f"the session opened at {self.opened_at} was still open when its task was cancelled (did "
                         "the event loop end?); it is closed, and its model is left as it was: `await "
                         "session.aclose()` when you are done",
-                        ResourceWarning,
+                        SessionLeftOpenWarning,
                         stacklevel=1,
                     )
                 raise
@@ -231,9 +230,10 @@ class SessionService:
                 replaced, self._replaced = self._replaced, anyio.Event()
                 replaced.set()
                 await core.end_requested.wait()
-                if not self._changing and not self._lost(core.failure):
+                planned = core.change is Change.PLANNED
+                if not planned and not self._lost(core.failure):
                     self.closing = True
-                elif not self.closing and not self._changing:
+                elif not self.closing and not planned:
                     core.lost_generation()  # calls from now on wait for the next generation
                 if self._end_with is not None:
                     raise self._end_with  # the session ends as the block of a failed `async with` would
@@ -250,8 +250,7 @@ class SessionService:
                 return None
             mine = core.hold(self._with_data_position)
         # A change every rank agreed on in the last step's agreement: peers still finishing that step finish it.
-        planned_after = None if not self._changing or mine is None else mine.step
-        self._changing = False
+        planned_after = None if core.change is not Change.PLANNED or mine is None else mine.step
         if mine is None and (opened or start is not None):
             raise SessionClosed("the elastic session lost its state while its membership changed")
         # ``mine`` None: a member lost while the first session opened, before any step; it starts over.
@@ -330,7 +329,6 @@ class SessionService:
                 await self._depart(core)
             else:
                 # Nothing is copied: the next generation goes on with this one's replicas (SessionCore.hold).
-                self._changing = True
                 core.end_for_change()
         elif not core.changing and not (core.failure is not None and self._lost(core.failure)):
             return core
@@ -355,39 +353,36 @@ class SessionService:
         """The elastic run's membership changes so far (none outside an elastic run)."""
         return () if self.elastic is None else tuple(self.elastic.changes)
 
-    async def carried(
-        self, operation: Callable[[SessionCore], Awaitable[_T]], kind: str, *, redoable: bool = True
-    ) -> _T:
-        """Run ``operation`` (an evaluation or all_reduce, named by ``kind`` as a call with the arguments every rank
-        must pass alike, e.g. ``"all_reduce(op='sum')"``) on the serving core; in an elastic
-        run, redone over the next membership if one interrupts it (every survivor redoes it: the ranks' n-th
-        operations still meet), unless not ``redoable`` (an evaluation over a one-shot iterator, whose batches
-        are gone: the interruption is raised once the change is made). A survivor whose peer completed it before
-        the change takes that peer's result instead, redoable or not (see :mod:`~gsync._core.elastic.carry`).
+    async def carried(self, operation: Operation[Any, _T]) -> _T:
+        """Run ``operation`` (an evaluation or all_reduce) on the serving core; in an elastic run, redone over the next
+        membership if one interrupts it (every survivor redoes it: the ranks' n-th operations still meet), unless
+        it is not :attr:`~Operation.redoable` (an evaluation over a one-shot iterator, whose batches are gone: the
+        interruption is raised once the change is made). A survivor whose peer completed it before the change
+        takes that peer's result instead, redoable or not (see :mod:`~gsync._core.elastic.carry`).
         """
         core = await self.serving_core()
         elastic = self.elastic
         if elastic is None:
-            return await operation(core)
+            return operation.delivered(await core.run(operation))
         log = elastic.operations
         interrupted: GsyncError | None = None
         while True:
             after = core.next_step - 1
-            handed, result = log.take(after, kind)
+            handed, result = log.take(after, operation.kind)
             if not handed:
                 if interrupted is not None:
                     raise interrupted  # not to be redone, and no peer completed it
                 try:
-                    result = await operation(core)
+                    result = await core.run(operation)
                 except GsyncError as error:
                     if not recoverable(error):
                         raise
-                    if not redoable:
+                    if not operation.redoable:
                         interrupted = error
                     core = await self.serving_core()
                     continue
-            log.completed(after, kind, result)
-            return result  # type: ignore[no-any-return]
+            log.completed(after, operation.kind, result)
+            return operation.delivered(result)
 
     async def step(
         self,

@@ -43,7 +43,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-__all__ = ("ALLOWED", "Lifecycle", "LifecycleError", "SessionState")
+__all__ = ("ALLOWED", "Change", "Lifecycle", "LifecycleError", "SessionState")
 
 
 class SessionState(enum.Enum):
@@ -55,6 +55,21 @@ class SessionState(enum.Enum):
     CHANGING = "changing membership"
     CLOSING = "closing"
     CLOSED = "closed"
+
+
+class Change(enum.Enum):
+    """Where an elastic run's membership change stands, as the session core sees it (``None``: no change).
+
+    One value instead of the flags that each said part of it: a change every rank agreed on is ``DUE`` after the
+    step whose agreement said so, ``PLANNED`` once the next call ends the generation for it, ``LOST`` when a
+    generation ended because a member was lost instead, and ``JOINING`` while the next generation opens after
+    either. The core reports :attr:`SessionState.CHANGING` from ``PLANNED`` until the next generation is open.
+    """
+
+    DUE = "due"
+    PLANNED = "planned"
+    LOST = "lost"
+    JOINING = "joining"
 
 
 _S = SessionState
@@ -81,41 +96,45 @@ class LifecycleError(RuntimeError):
 class Lifecycle:
     """The state of one session core; :meth:`move` is the only way it changes."""
 
-    __slots__ = ("_state", "_opened")
+    __slots__ = ("_path",)
 
     def __init__(self) -> None:
-        self._state = SessionState.OPENING
-        self._opened = False
+        self._path = [SessionState.OPENING]
+        """Every state it has been in, in order (short: a core makes a handful of transitions besides its calls)."""
 
     @property
     def state(self) -> SessionState:
-        return self._state
+        return self._path[-1]
 
     @property
     def opened(self) -> bool:
         """The start finished (the session reached ``IDLE`` once): what it reports to peers is the fit's, not the start's."""
-        return self._opened
+        return len(self._path) > 1 and self._path[1] is SessionState.IDLE
 
     def move(self, to: SessionState) -> None:
         """Make the transition to ``to``.
 
         :raises LifecycleError: when the lifecycle does not allow it from the current state.
         """
-        if to not in ALLOWED[self._state]:
-            raise LifecycleError(f"a session core cannot go from {self._state.value} to {to.value}")
-        self._state = to
-        if to is SessionState.IDLE:
-            self._opened = True
+        state = self._path[-1]
+        if to not in ALLOWED[state]:
+            path = " -> ".join(step.value for step in self._path)
+            raise LifecycleError(f"a session core cannot go from {state.value} to {to.value} (its states so far: {path})")
+        if to is SessionState.IDLE and state is SessionState.OPERATING:
+            # A call's way back: the path keeps where the life went, not every call it served.
+            self._path.pop()
+        else:
+            self._path.append(to)
 
     def end_asked(self) -> None:
         """Its end was asked for: no call starts from now on (nothing changes once it is failing or ending)."""
-        if self._state in (SessionState.OPENING, SessionState.IDLE, SessionState.OPERATING):
+        if self._path[-1] in (SessionState.OPENING, SessionState.IDLE, SessionState.OPERATING):
             self.move(SessionState.CLOSING)
 
     def operation_over(self) -> None:
         """An operation returned or raised: back to ``IDLE``, unless the session failed or is ending meanwhile."""
-        if self._state is SessionState.OPERATING:
+        if self._path[-1] is SessionState.OPERATING:
             self.move(SessionState.IDLE)
 
     def __repr__(self) -> str:
-        return f"<Lifecycle {self._state.value}>"
+        return f"<Lifecycle {self._path[-1].value}>"

@@ -40,8 +40,8 @@ class SessionWorkers:
     def __init__(self, abort: threading.Event) -> None:
         self._abort = abort
         self._assembly: Assembly | None = None
-        self._torn_down = False
-        self._left_behind: list[str] = []
+        self._left_behind: list[str] | None = None
+        """The threads the teardown left behind; ``None`` until it ran (it runs once)."""
 
     def build(
         self,
@@ -77,11 +77,11 @@ class SessionWorkers:
     @property
     def left_behind(self) -> list[str]:
         """The threads that did not stop within their grace at teardown (daemons, stuck in native code)."""
-        return list(self._left_behind)
+        return list(self._left_behind or ())
 
     @property
     def torn_down(self) -> bool:
-        return self._torn_down
+        return self._left_behind is not None
 
     async def serve(self, watch: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
         """Run the server and the actors (and ``watch``, the peers' news) until the data ends or one fails."""
@@ -111,9 +111,9 @@ class SessionWorkers:
 
     async def teardown(self) -> None:
         """Stop every actor and thread (not the process group). Idempotent."""
-        if self._torn_down:
+        if self._left_behind is not None:
             return
-        self._torn_down = True
+        self._left_behind = []
         self._abort.set()
         parts = self._assembly
         actors = self.actors

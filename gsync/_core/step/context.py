@@ -21,8 +21,7 @@ from ..gradients.buckets import BucketPlan
 from ...errors import ReplicasDiverged
 from .mailbox import Mailbox
 from .inbox import ServerInbox
-from .batchnorm import BatchStatsExchange
-from .sharding import ShardedStep
+from .features import BatchStatsSync, ShardedUpdate
 from .messages import DeviceMessage, SessionMessage
 from ..streams import HostStreamSync, StreamSync
 from ...trace import Trace
@@ -89,7 +88,7 @@ class Shard:
     """Per batch, the rows of every device of this process: SyncBatchNorm's rendezvous waits for those with rows."""
     padded: tuple[bool, ...] = ()
     """Per batch, whether some process of the run may have no rows of it: SyncBatchNorm's statistics then follow
-    the padded protocol (see :mod:`gsync._core.step.batchnorm`)."""
+    the padded protocol (see :mod:`gsync._core.batchnorm`)."""
 
     @property
     def weight(self) -> float:
@@ -190,11 +189,11 @@ class ActorContext:
     intra_op_threads: tuple[int, int] | None = None
     """Torch intra-op threads for each device thread and for the communication thread, where this process's CPU
     devices split its cores (``Engine.intra_op_threads``); ``None``: the count of the thread that opens the session."""
-    batch_stats: BatchStatsExchange | None = None
+    batch_stats: BatchStatsSync | None = None
     """Where the replicas' ``nn.SyncBatchNorm`` layers sum their batch statistics; ``None``: the model has none."""
-    sharding: ShardedStep | None = None
+    sharding: ShardedUpdate | None = None
     """``shard_optimizer=True``: each device steps its shard of every bucket, gathered back after each step
-    (see :mod:`gsync._core.step.sharding`); ``None``: every device steps every parameter."""
+    (see :mod:`gsync._core.sharding.step`); ``None``: every device steps every parameter."""
 
 
 class DeviceEndpoint(Protocol):

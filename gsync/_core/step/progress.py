@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from .agreement import StepFacts
+from ..base.agreement import StepFacts
 from .context import DeviceEndpoint, FirstStepInTurn
 from ...errors import SyncTimeout
 from .messages import BucketReady, ForwardDone, ServerMessage, StepDispatched

@@ -25,11 +25,11 @@ from typing import cast
 import torch
 
 from ..threads import FitAborted, Outcome, WorkerThread
-from .agreement import AgreedStep, StepAgreement, StepFacts
+from ..base.agreement import AgreedStep, StepAgreement, StepFacts
 from ..gradients.buckets import BucketPlan
 from ..gradients.buffers import BufferSync
 from ...comm.base import Collective
-from ..transports.capabilities import IN_PLACE, PER_BUCKET, ReducesBuckets, ReducesInPlace
+from ...comm._capabilities import IN_PLACE, PER_BUCKET, ReducesBuckets, ReducesInPlace
 from .context import ActorContext, DeviceEndpoint
 from ...errors import GsyncError, SyncFailed
 from .mailbox import Mailbox
@@ -47,7 +47,7 @@ from .messages import (
     StepLoss,
     StepSynced,
 )
-from ..gradients.rebuild import PlanRebuild
+from .rebuild import PlanRebuild
 
 __all__ = ("SyncServer",)
 
@@ -103,7 +103,7 @@ class SyncServer:
         self._agreement = agreement
         self._rebuild = rebuild
         # shard_optimizer: buckets are reduce-scattered, and a step that clips or scales its loss sums the
-        # shards' squared norms before StepSynced (see gsync._core.step.sharding).
+        # shards' squared norms before StepSynced (see gsync._core.sharding.step).
         self._sharding = context.sharding
         # The session's settings (timeout, trace, fault hooks, abort flag) come
         # from the context the actors share, so the two never disagree.

@@ -18,7 +18,7 @@ from .capture import GradientCapture
 from .context import ActorContext
 from .messages import StepApplied, StepSynced
 from .readout import ScalarReadout
-from .sharding import ReplicaShard
+from .features import DeviceShard
 
 __all__ = ("ReplicaUpdate",)
 
@@ -53,7 +53,7 @@ class ReplicaUpdate:
         # Whether the optimizer's step ran in this optimizer job: with a GradScaler, that is whether the step
         # was skipped, known without GradScaler.get_scale(), a host sync (see _scaled_step).
         self._optimizer_stepped = False
-        self.shard: ReplicaShard | None = None
+        self.shard: DeviceShard | None = None
         """``shard_optimizer=True``: this device's slices, which its optimizer steps (set as the session is assembled)."""
         self._step_hook = (
             optimizer.register_step_post_hook(self._on_optimizer_step)
@@ -138,7 +138,7 @@ class ReplicaUpdate:
             self.optimizer.step()
         return (self._grad_norm.get() if max_norm is not None else None), skipped
 
-    def _sharded_step(self, shard: ReplicaShard) -> tuple[float | None, bool]:
+    def _sharded_step(self, shard: DeviceShard) -> tuple[float | None, bool]:
         """:meth:`_step` on this device's shard: clipped by the norm over every shard, and with a GradScaler
         whose inf flags are the whole gradient's, so every shard skips alike."""
         scaler = self.scaler

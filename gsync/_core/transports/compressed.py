@@ -10,7 +10,7 @@ import torch
 from ...comm.base import Collective
 from ...comm.compressed import CompressionHook, LowPrecision
 from ...errors import ConfigError, GsyncError
-from .capabilities import PER_BUCKET
+from ...comm._capabilities import PER_BUCKET
 
 __all__ = ("CompressedCollective", "resolve_compression")
 

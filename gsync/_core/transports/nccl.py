@@ -36,7 +36,7 @@ import torch.cuda.nccl
 
 from ...errors import ConfigError, GsyncError
 from ..streams.cuda import CudaStreamSync, cuda_devices, on_device
-from .sharding import shard_bounds
+from ...comm._shards import shard_bounds
 
 __all__ = ("NcclCollective", "gather_shards", "prepare_for_nccl", "scatter_reduced")
 
@@ -84,7 +84,7 @@ def scatter_reduced(
     """NCCL's reduce-scatter over gsync's shards: afterwards device ``i``'s shard of ``targets[i]`` (dense
     buffers, already weighted) holds the sum of that shard over every device.
 
-    NCCL splits into equal chunks; gsync's split may be uneven (:func:`~gsync._core.transports.sharding.shard_bounds`),
+    NCCL splits into equal chunks; gsync's split may be uneven (:func:`~gsync.comm._shards.shard_bounds`),
     so an uneven buffer is first laid out padded, chunk ``j`` holding shard ``j`` (one copy of the buffer
     per device). ``place(i)`` enters device ``i``'s comm stream, where each device's copies run.
     """

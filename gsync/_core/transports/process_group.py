@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..distributed.waiting import GROUP_TYPES, broadcast_from, wait_work
 from ...errors import ConfigError, GsyncError
 from ..topology import Topology
-from .sharding import process_bounds, shard_bounds
+from ...comm._shards import process_bounds, shard_bounds
 
 __all__ = ("ProcessGroupCollective",)
 

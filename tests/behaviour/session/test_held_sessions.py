@@ -14,21 +14,15 @@ import pytest
 import torch
 
 import gsync
-from gsync._core.elastic.recovery import MembershipBroken
-from gsync._core.session.state import SessionState
+from gsync._core.base.faults import MembershipBroken
 import gsync.testing
 from gsync_pytest import gsync_threads
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
-from tests.support.reference import assert_same_state, train_reference
+from tests.support import inside
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
+from tests.support.reference import assert_same_state, step_lr, train_reference
 from tests.support.tasks import assert_no_tasks_left
-from gsync._core.step.messages import BucketReady
 
-TWO = ["cpu:0", "cpu:1"]
 RECIPE: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)
-
-
-def step_lr(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
 async def in_a_task(awaitable: Any) -> Any:
@@ -43,7 +37,7 @@ async def in_a_task(awaitable: Any) -> Any:
 async def closed_by_itself(session: gsync.Session, timeout: float = 10.0) -> None:
     """Until the session has ended everything it started (it closes itself after a failure while idle)."""
     with anyio.fail_after(timeout):
-        await session._service.done.wait()
+        await inside.ended_event(session).wait()
 
 
 @pytest.mark.asyncio
@@ -113,7 +107,7 @@ async def test_session_model_holds_the_weights_of_the_last_step_and_leaves_the_m
 
         # Read from another task while a step runs: as of the last read, then refreshed as the step is applied.
         step = asyncio.get_running_loop().create_task(session.step(batches[1]))
-        while session._core.state is not SessionState.OPERATING:
+        while not inside.is_operating(session):
             await asyncio.sleep(0)
         assert_same_state(session.model, after_one)
         await step
@@ -127,18 +121,13 @@ async def test_session_model_holds_the_weights_of_the_last_step_and_leaves_the_m
         session.model
 
 
-def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
-    """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
-    session._core._parts.server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
-
-
 @pytest.mark.asyncio
 async def test_a_failure_while_no_call_runs_closes_the_session_at_once_and_the_next_call_raises_it(no_leaks: None) -> None:
     model = TiedNet()
     before = copy.deepcopy(model)
     session = await gsync.Engine(TWO).session(model, **RECIPE)
     await session.step(make_batches(1, 8)[0])
-    post_a_message_the_server_cannot_take(session)
+    inside.post_a_message_the_server_cannot_take(session)
     await closed_by_itself(session)
     assert gsync_threads() == []  # closed at once, though nothing called it
     assert session.closed
@@ -159,7 +148,7 @@ async def test_a_failure_no_call_has_raised_is_raised_by_aclose_once(no_leaks: N
     engine = gsync.Engine(TWO)
     session = await engine.session(TiedNet(), **RECIPE)
     await session.step(make_batches(1, 8)[0])
-    post_a_message_the_server_cannot_take(session)
+    inside.post_a_message_the_server_cannot_take(session)
     await closed_by_itself(session)
     with pytest.raises(gsync.SyncFailed, match="protocol error") as raised:
         await session.aclose()
@@ -217,12 +206,12 @@ async def test_a_session_dropped_while_open_warns_where_it_was_opened_and_ends_i
     before = copy.deepcopy(model)
     session = await engine.session(model, **RECIPE)
     await session.step(make_batches(1, 8)[0])
-    service = session._service
-    with pytest.warns(ResourceWarning, match=r"opened at .*test_held_sessions.py:\d+ was dropped while open"):
+    ended = inside.ended_event(session)
+    with pytest.warns(gsync.SessionLeftOpenWarning, match=r"opened at .*test_held_sessions.py:\d+ was dropped while open"):
         del session
         gc.collect()
     with anyio.fail_after(10):
-        await service.done.wait()
+        await ended.wait()
     assert gsync_threads() == []
     assert_same_state(model, before, atol=0)  # never written into silently
     again = await engine.session(TiedNet(), **RECIPE)
@@ -268,7 +257,7 @@ def test_a_session_outliving_its_event_loop_says_so() -> None:
         await session.step(make_batches(1, 8)[0])
         return session
 
-    with pytest.warns(ResourceWarning, match=r"opened at .*test_held_sessions.py:\d+ was still open when its task was cancelled"):
+    with pytest.warns(gsync.SessionLeftOpenWarning, match=r"opened at .*test_held_sessions.py:\d+ was still open when its task was cancelled"):
         session = asyncio.run(open_one())  # the loop's end cancels the session's task, and its threads stop
     assert gsync_threads() == []
     with pytest.raises(gsync.SessionClosed, match="event loop that opened this session has ended"):
@@ -411,12 +400,12 @@ async def test_a_scoped_block_never_left_is_dropped_as_a_held_session_is(no_leak
     opener = engine.session(TiedNet(), **RECIPE)
     session = await opener.__aenter__()  # in a notebook cell; its __aexit__ never comes
     await session.step(make_batches(1, 8)[0])
-    service = session._service
-    with pytest.warns(ResourceWarning, match="dropped while open"):
+    ended = inside.ended_event(session)
+    with pytest.warns(gsync.SessionLeftOpenWarning, match="dropped while open"):
         del opener, session
         gc.collect()
     again = await engine.session(TiedNet(), **RECIPE)  # opened at once: waits for the dropped one to end
-    assert service.done.is_set()
+    assert ended.is_set()
     await again.aclose()
     assert gsync_threads() == []
 
@@ -425,7 +414,7 @@ async def test_a_scoped_block_never_left_is_dropped_as_a_held_session_is(no_leak
 async def test_a_failure_nobody_raised_is_logged_when_its_session_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
     session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
     await session.step(make_batches(1, 8)[0])
-    post_a_message_the_server_cannot_take(session)
+    inside.post_a_message_the_server_cannot_take(session)
     await closed_by_itself(session)
     with caplog.at_level("WARNING", logger="gsync"):
         del session
@@ -446,16 +435,15 @@ async def test_a_core_ended_for_a_membership_change_refuses_calls_and_leaves_the
     before = copy.deepcopy(model)
     session = await gsync.Engine(TWO).session(model, **RECIPE)
     await session.step(make_batches(1, 31)[0])
-    core = session._core
-    core.end_for_change()
-    assert core.state is SessionState.CHANGING and not core.usable
+    inside.end_generation_for_change(session)
+    assert inside.is_changing(session) and not inside.is_usable(session)
     # Refused, not closed: in an elastic run the session goes on over the next generation.
     with pytest.raises(gsync.ConfigError, match="membership is changing; the session goes on"):
-        await core.step(make_batches(1, 31), last=False)
+        await inside.step_the_generation(session, make_batches(1, 31))
     with pytest.raises(gsync.ConfigError, match="membership is changing"):
         session.model
     await session.aclose()
-    assert core.state is SessionState.CLOSED
+    assert inside.is_closed(session)
     assert_same_state(model, before)
 
 
@@ -469,13 +457,11 @@ async def test_a_call_that_meets_a_generation_ended_by_a_loss_raises_the_loss_fo
     # generation), not a refusal that would end the fit.
     session = await gsync.Engine(TWO).session(TiedNet(), **RECIPE)
     await session.step(make_batches(1, 31)[0])
-    core = session._core
-    core.life.fail(MembershipBroken(0, None, "a member was lost"))
-    core.lost_generation()
-    assert core.state is SessionState.CHANGING
+    inside.settle_a_loss_and_end_the_generation(session, MembershipBroken(0, None, "a member was lost"))
+    assert inside.is_changing(session)
     with pytest.raises(MembershipBroken, match="the membership changed before step"):
-        await core.step(make_batches(1, 31), last=False)
+        await inside.step_the_generation(session, make_batches(1, 31))
     with pytest.raises(gsync.ConfigError, match="membership is changing"):
         session.model
     await session.aclose()
-    assert core.state is SessionState.CLOSED
+    assert inside.is_closed(session)

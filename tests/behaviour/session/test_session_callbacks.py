@@ -11,13 +11,11 @@ from torch import nn
 
 import gsync
 import gsync.testing
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 from tests.support.tasks import assert_no_tasks_left
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 EVAL_BATCH = make_batches(1, 8)[0]

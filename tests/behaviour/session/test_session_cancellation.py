@@ -21,13 +21,11 @@ import torch
 import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
-from gsync._core.step.messages import BucketReady
+from tests.support.inside import post_a_message_the_server_cannot_take
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 def expire(deadline: asyncio.Timeout, loop: asyncio.AbstractEventLoop) -> None:
@@ -297,11 +295,6 @@ async def test_a_step_asked_for_after_a_close_began_is_refused(no_leaks: None) -
         await session.step(batch)
     await closing
     assert_same_state(model, expected)  # a clean close after one step: the refused step changed nothing
-
-
-def post_a_message_the_server_cannot_take(session: gsync.Session) -> None:
-    """Make the real sync server fail while no call runs: a bucket that is ready outside any step."""
-    session._core._parts.server_mailbox.post(BucketReady(device=0, step=99, bucket=0, unused=()))
 
 
 async def test_a_cancelled_call_leaves_without_gsyncs_frames_and_says_what_it_did(no_leaks: None) -> None:

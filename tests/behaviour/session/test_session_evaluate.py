@@ -13,11 +13,10 @@ from torch import nn
 
 import gsync
 import gsync.testing
-from tests.support.models import Normed, TiedNet, classification_loss, make_batches, sgd
+from tests.support.inside import replicas_of
+from tests.support.models import Normed, TWO, TiedNet, classification_loss, make_batches, sgd
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 def accuracy(model: nn.Module, batch: Any) -> torch.Tensor:
@@ -37,7 +36,7 @@ async def test_evaluate_gives_global_row_weighted_means_in_eval_mode(num_devices
         metrics = await session.evaluate(val)
         named = await session.evaluate(val, metric_fn=accuracy)
         both = await session.evaluate(iter(val), metric_fn=lambda m, b: {"acc": accuracy(m, b), "loss": classification_loss(m, b)})
-        reference = copy.deepcopy(session._core._actors[0].replica)
+        reference = copy.deepcopy(replicas_of(session)[0])
     assert model.training and not model.inp.training and model.norm.training
     reference.eval()
     with torch.no_grad():
@@ -219,8 +218,8 @@ async def test_the_checkpoint_of_a_stalled_evaluation_is_read_from_a_replica_no_
         with pytest.raises(gsync.SyncTimeout) as caught:
             async with engine.session(TiedNet(), optimizer=sgd, loss_fn=classification_loss) as session:
                 await session.step(make_batches(1, 8)[0])
-                expected = copy.deepcopy(session._core._actors[1].replica.state_dict())
-                stalled = session._core._actors[0].replica
+                expected = copy.deepcopy(replicas_of(session)[1].state_dict())
+                stalled = replicas_of(session)[0]
 
                 def scribbles_then_hangs(model: nn.Module, batch: Any) -> torch.Tensor:
                     if model is stalled:  # a metric that writes to the model, then blocks in native code

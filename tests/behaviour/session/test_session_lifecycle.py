@@ -12,13 +12,11 @@ import torch
 import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 from tests.support.tasks import assert_no_tasks_left
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 async def test_a_session_loop_equals_fit_and_writes_the_weights_back(no_leaks: None) -> None:

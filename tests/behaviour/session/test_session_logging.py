@@ -10,11 +10,9 @@ from torch import nn
 
 import gsync
 import gsync.testing
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 async def test_gsync_logs_what_it_does_through_its_logger(caplog: pytest.LogCaptureFixture) -> None:

@@ -11,12 +11,10 @@ import torch
 
 import gsync
 import gsync.testing
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, train_reference
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 async def test_the_default_progress_display_is_rank_0s_outside_tests_and_ci(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,12 +10,10 @@ import torch
 
 import gsync
 import gsync.testing
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state
 
 pytestmark = pytest.mark.asyncio
-
-TWO = ["cpu:0", "cpu:1"]
 
 
 async def test_a_scheduler_that_needs_a_metric_is_refused_with_what_to_do() -> None:

@@ -175,7 +175,7 @@ def test_broadcast_is_passed_through_uncompressed() -> None:
 def test_reduce_scatter_is_the_compressed_all_reduce_and_all_gather_is_exact() -> None:
     """With shard_optimizer the hook still sees whole buckets (its state is per bucket); the parameters the
     all-gather carries travel uncompressed."""
-    from gsync._core.transports.sharding import shard_bounds
+    from gsync.comm._shards import shard_bounds
 
     generator = torch.Generator().manual_seed(3)
     terms = [torch.randn(11, generator=generator) for _ in range(3)]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gsync
-from gsync._core.transports.sharding import shard_bounds
+from gsync.comm._shards import shard_bounds
 
 COLLECTIVES: dict[str, Callable[[int], gsync.Collective]] = {
     "local": gsync.LocalCollective,

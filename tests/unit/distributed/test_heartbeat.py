@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -143,3 +144,23 @@ def test_locate_names_the_device_furthest_behind_or_waiting() -> None:
     assert locate(devices, 2) == Whereabouts(3, "gradient sync", waiting=True)
     devices = [Device("cpu:0", 4, "data"), Device("cpu:1", 3, "optimizer", waiting=True)]
     assert locate(devices, 3) == Whereabouts(4, "data", "cpu:0")
+
+
+@pytest.mark.timeout(30)
+def test_a_nudge_publishes_where_the_rank_is_before_its_next_beat() -> None:
+    # Steps are shorter than the beat's interval: a rank killed a few steps in must not be last heard "starting
+    # the session". Here the interval is a minute, so only the nudge can have written the new step.
+    with beating() as ranks:
+        heartbeat = Heartbeat(Member(ranks.store, 0, 1), interval_s=60.0, stale_after_s=STALE, lost_after_s=STALE * 2)
+        where = [Whereabouts(-1, "starting the session")]
+        heartbeat.where = lambda: where[0]
+        heartbeat.start()
+        ranks.beats.append(heartbeat)
+        where[0] = Whereabouts(2, "outside gsync")
+        heartbeat.nudge()
+        deadline = time.monotonic() + 10.0
+        published = msgspec.msgpack.decode(ranks.store.get("gsync/run1/beat/0"), type=Beat)
+        while published.where.step != 2 and time.monotonic() < deadline:
+            threading.Event().wait(0.005)  # polls the store, which has no way to wait for a key to change
+            published = msgspec.msgpack.decode(ranks.store.get("gsync/run1/beat/0"), type=Beat)
+        assert (published.where.step, published.where.phase) == (2, "outside gsync")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import gsync
 from gsync._core.elastic.quorum import Decision, ElasticRun, NotAMember, run_scope
-from gsync._core.elastic.recovery import PEER_GONE_KEY, connection_lost
+from gsync._core.base.faults import PEER_GONE_KEY, connection_lost
 from gsync._core.elastic.watcher import ReformWatcher
 
 TIMEOUT = timedelta(seconds=20)

@@ -66,7 +66,7 @@ def test_nccl_shards_are_gsyncs_even_when_nccls_equal_chunks_are_not(numel: int,
     from contextlib import nullcontext
 
     from gsync._core.transports.nccl import gather_shards, scatter_reduced
-    from gsync._core.transports.sharding import shard_bounds
+    from gsync.comm._shards import shard_bounds
 
     nccl = _NcclStandIn()
     generator = torch.Generator().manual_seed(numel)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gsync._core.session import sharded_checkpoint
+from gsync._core.sharding import checkpoint as sharded_checkpoint
 from gsync.errors import CheckpointError
 
 SHAPES = [torch.Size([4, 3]), torch.Size([5]), torch.Size([2])]

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 import gsync
-from gsync._core.session.outcome import first_failure, raised_by_block
+from gsync._core.base.outcome import first_failure, raised_by_block
 from gsync._core.threads import FitAborted
 
 # anyio names the cancellation class of the library running the loop: each test runs on one.

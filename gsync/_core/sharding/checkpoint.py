@@ -1,7 +1,7 @@
 """A whole checkpoint of a ``shard_optimizer=True`` session across processes: every rank's slices gathered.
 
 Each process holds only its own devices' slices of the optimizer state
-(:mod:`gsync._core.step.sharding`); a checkpoint in the unsharded format needs
+(:mod:`gsync._core.sharding.step`); a checkpoint in the unsharded format needs
 all of them. :func:`gather_whole_state` is a collective: every rank calls it at
 the same point between steps (``session.checkpoint()`` on every rank, ``fit``'s
 checkpoints, due at the same step on every rank), and each gets the whole state.
@@ -41,13 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointError, GsyncError, SyncFailed, SyncTimeout
-from ..distributed.waiting import wait_work
+from ..distributed.waiting import DIST_TEARDOWN_S, wait_work
 from ..threads import WorkerThread
-from .peers import DIST_TEARDOWN_S
 
 if TYPE_CHECKING:
     from ..distributed.runtime import ProcessGroupRuntime
-    from ..step.sharding import ReplicaShard, ShardedStep
+    from .step import ReplicaShard, ShardedStep
 
 __all__ = ("gather_whole_state",)
 

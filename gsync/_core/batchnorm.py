@@ -63,11 +63,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..threads import FitAborted
-from ...errors import SyncFailed, SyncTimeout
+from .threads import FitAborted
+from ..errors import SyncFailed, SyncTimeout
 
 if TYPE_CHECKING:
-    from ..distributed.membership import GroupMembership
+    from .distributed.membership import GroupMembership
 
 __all__ = (
     "BatchStatsExchange",
@@ -137,7 +137,7 @@ class _Across:
             return self._group
 
     def _sum(self, values: torch.Tensor) -> torch.Tensor:
-        from ..distributed.runtime import host_all_reduce
+        from .distributed.runtime import host_all_reduce
 
         return host_all_reduce(self._built(), values, "sum", self._abort)
 

@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .buckets import BucketPlan
-from ..step.context import ActorContext
+from ..gradients.buckets import BucketPlan
+from .context import ActorContext
 
 __all__ = ("PlanRebuild",)
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from gsync._core.step.batchnorm import BatchStatsExchange
+from gsync._core.batchnorm import BatchStatsExchange
 from gsync._core.threads import FitAborted
 from gsync.errors import SyncTimeout
 

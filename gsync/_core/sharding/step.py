@@ -1,6 +1,6 @@
 """``shard_optimizer=True``: each device steps the optimizer on its own shard of every bucket only.
 
-The shards are :func:`~gsync._core.transports.sharding.shard_bounds`'s: device ``g`` of ``N`` (across
+The shards are :func:`~gsync.comm._shards.shard_bounds`'s: device ``g`` of ``N`` (across
 processes) owns a contiguous range of each bucket, so a parameter may be cut between devices. A step:
 
 1. every bucket is reduce-scattered instead of all-reduced (the sync server), so each device holds the
@@ -28,7 +28,7 @@ groups; whole parameters per device would keep even Adafactor exact but not spli
 local device's slices into whole tensors (``register_state_dict_post_hook``), and a whole state is cut
 into this device's slices as it is loaded, so a sharded run resumes unsharded, on another device count,
 or sharded again. Across processes the other ranks' slices come from a collective every rank enters at
-the same point between steps (:mod:`gsync._core.session.sharded_checkpoint`), held here
+the same point between steps (:mod:`gsync._core.sharding.checkpoint`), held here
 (:meth:`ShardedStep.holding`) while the checkpoint is captured.
 """
 
@@ -50,9 +50,9 @@ from ..streams import StreamSync
 from ..streams.cuda import CudaStreamSync, on_device
 from ..threads import FitAborted, Outcome, WorkerThread
 from ...trace import Trace
-from ..transports.sharding import shard_bounds
-from .mailbox import Mailbox
-from .messages import SessionMessage, StepApplied
+from ...comm._shards import shard_bounds
+from ..step.mailbox import Mailbox
+from ..step.messages import SessionMessage, StepApplied
 
 __all__ = ("ReplicaShard", "ShardedStep")
 
