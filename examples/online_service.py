@@ -3,6 +3,7 @@
     python examples/online_service.py --port 8000          # 2 virtual CPU devices in this process
     torchrun --nproc-per-node 2 examples/online_service.py  # one device per process; rank 0 serves HTTP
     curl 127.0.0.1:8000/metrics
+    python examples/online_service.py --prometheus-port 9100   # also gsync's Prometheus metrics (gsync[monitoring])
     curl -d '{"inputs": [[0.5, -1.0, ...32 numbers]]}' 127.0.0.1:8000/predict
 
 A producer task streams labelled examples into a queue, as a feed (a socket,
@@ -16,7 +17,9 @@ and saves the trained weights (`--save`).
 
 The server is the standard library's `asyncio.start_server`, with a few lines
 of HTTP/1.0-style parsing (one request per connection): two JSON endpoints do
-not warrant a dependency.
+not warrant a dependency. A platform that scrapes Prometheus gets gsync's own
+metrics (steps, step durations, loss, bytes reduced, failures) from
+`gsync.metrics.serve` with `--prometheus-port`, on each rank (`port + rank`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gsync
+import gsync.metrics
 
 FEATURES, CLASSES = 32, 4
 
@@ -141,6 +145,10 @@ async def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save", default="online_model.pt", help="where the trained state_dict goes")
+    parser.add_argument(
+        "--prometheus-port", type=int, default=None,
+        help="also serve gsync's Prometheus metrics here (plus the rank; 0: any free port); needs gsync[monitoring]",
+    )
     args = parser.parse_args()
 
     stopping = asyncio.Event()
@@ -160,17 +168,23 @@ async def main() -> None:
     producer = asyncio.create_task(produce(queue, args.seed))
     metrics = Metrics()
     server = None
+    scraped = None
     try:
         if rank == 0:
             server = await asyncio.start_server(partial(handle, session, metrics), "127.0.0.1", args.port)
             port = server.sockets[0].getsockname()[1]
             print(f"serving on http://127.0.0.1:{port} (GET /metrics, POST /predict), pid {os.getpid()}", flush=True)
+        if args.prometheus_port is not None:
+            scraped = gsync.metrics.serve(args.prometheus_port + rank if args.prometheus_port else 0)
+            print(f"prometheus metrics on {scraped.url}, rank {rank}", flush=True)
         await train(session, queue, stopping, metrics, args.batch_size)
     finally:
         producer.cancel()
         if server is not None:
             server.close()
             await server.wait_closed()
+        if scraped is not None:
+            scraped.close()
         await session.aclose()  # writes the trained weights into `model`
     if rank == 0:
         torch.save(model.state_dict(), args.save)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -26,28 +26,31 @@ from .operations import Operation, OperationSite
 from .peers import PeerLink
 from .state import SessionState
 
-__all__ = ("CallGate",)
+__all__ = ("CallGate", "Progress")
 
 _R = TypeVar("_R")
+
+
+class Progress(Protocol):
+    """What the gate reads of the session it guards, which outlives the gate's generation (the session core)."""
+
+    @property
+    def changing(self) -> bool:
+        """Between two generations of an elastic run (the core's state, not this generation's)."""
+
+    @property
+    def last_step(self) -> int:
+        """The last step applied (what a refusal names)."""
 
 
 class CallGate:
     """The calls of one session: the one in flight, and how many completed."""
 
     def __init__(
-        self,
-        life: SessionLife,
-        peers: PeerLink,
-        abort: threading.Event,
-        sync_timeout: float,
-        changing: Callable[[], bool],
-        step: Callable[[], int],
+        self, life: SessionLife, peers: PeerLink, abort: threading.Event, sync_timeout: float, session: Progress
     ) -> None:
         self._life = life
-        self._changing = changing
-        """Whether the session is between two generations of an elastic run (its core's, not this generation's)."""
-        self._step = step
-        """The session's last applied step (what a refusal names)."""
+        self._session = session
         self._peers = peers
         self._abort = abort
         self._sync_timeout = sync_timeout
@@ -68,10 +71,10 @@ class CallGate:
         """Before a call: a failure being settled is waited for and raised; a call the session cannot take is refused."""
         await self._life.settled()
         failure = self._life.failure
-        if self._changing() and failure is not None and recoverable(failure):
+        if self._session.changing and failure is not None and recoverable(failure):
             # A loss was settled while this call waited (the generation ended under it): the elastic carry
             # waits for the next generation and makes the call there.
-            raise MembershipBroken(self._step(), None, f"the membership changed before {what}() started")
+            raise MembershipBroken(self._session.last_step, None, f"the membership changed before {what}() started")
         self.check_now(what)
 
     def check_now(self, what: str) -> None:
@@ -80,7 +83,7 @@ class CallGate:
         :raises ~gsync.SessionClosed: on a failed, closing or closed session, or one not open yet.
         :raises ~gsync.ConfigError: while another call runs, or while an elastic run's membership changes.
         """
-        if self._changing():
+        if self._session.changing:
             # Reached by what does not wait for the change (a read of the model, the optimizers, a checkpoint):
             # the asynchronous calls wait for the next generation first (see check).
             raise ConfigError(

@@ -130,9 +130,7 @@ class SessionCore:
             on_idle_failure=self._on_idle_failure, trace=self._trace,
             topology=topology,
         )
-        self._calls = CallGate(
-            self._life, self._peers, abort, self._settings.sync_timeout, lambda: self.changing, lambda: self._next_step - 1
-        )
+        self._calls = CallGate(self._life, self._peers, abort, self._settings.sync_timeout, self)
 
     def next_generation(self, held: HeldState | None, agreed_start: bool) -> None:
         """After an elastic membership change, once the last generation's parts have stopped: new parts over the

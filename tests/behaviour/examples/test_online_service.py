@@ -133,6 +133,20 @@ def _metrics_after(base: str, step: int, deadline: float) -> dict:
         time.sleep(0.05)  # between polls, so the poll does not take the cores training needs
 
 
+def _prometheus(url: str) -> dict[str, float]:
+    """Rank 0's samples of a Prometheus scrape, parsed with prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("rank") == "0" and "le" not in sample.labels
+    }
+
+
 def _serve_train_and_stop(command: list[str], tmp_path: Path, budget: float, env: dict[str, str] | None = None) -> Running:
     """Start the service, check both endpoints while it trains, SIGTERM the process that serves, and see it all end."""
     deadline = time.monotonic() + budget
@@ -144,6 +158,11 @@ def _serve_train_and_stop(command: list[str], tmp_path: Path, budget: float, env
         first = _metrics_after(base, 0, deadline)
         second = _metrics_after(base, first["step"], deadline)
         assert second["loss"] is not None and second["samples_per_s"] > 0, second
+        if "--prometheus-port" in command:
+            scraped = service.line_matching(r"prometheus metrics on (http://127\.0\.0\.1:\d+/metrics), rank 0", deadline)
+            samples = _prometheus(scraped.group(1))
+            assert samples["gsync_steps_total"] >= second["step"], samples
+            assert samples["gsync_world_size"] == 1 and "gsync_loss" in samples, samples
 
         rows = [[0.1 * i] * FEATURES for i in range(3)]
         prediction = _post(base + "/predict", {"inputs": rows})
@@ -172,7 +191,9 @@ def _serve_train_and_stop(command: list[str], tmp_path: Path, budget: float, env
 
 @pytest.mark.timeout(90)
 def test_service_trains_answers_and_stops_on_sigterm(tmp_path: Path) -> None:
-    _serve_train_and_stop([sys.executable, str(EXAMPLE), "--port", "0", "--save", "model.pt"], tmp_path, budget=80)
+    _serve_train_and_stop(
+        [sys.executable, str(EXAMPLE), "--port", "0", "--save", "model.pt", "--prometheus-port", "0"], tmp_path, budget=80
+    )
 
 
 @pytest.mark.timeout(120)

@@ -124,10 +124,15 @@ class Failing:
         return result
 
 
+class Steady:
+    """A session between no generations: four steps applied."""
+
+    changing = False
+    last_step = 4
+
+
 def gate(life: FakeLife) -> CallGate:
-    return CallGate(
-        cast(SessionLife, life), cast(PeerLink, FakePeers()), threading.Event(), 10.0, lambda: False, lambda: 4
-    )
+    return CallGate(cast(SessionLife, life), cast(PeerLink, FakePeers()), threading.Event(), 10.0, Steady())
 
 
 @pytest.mark.asyncio
