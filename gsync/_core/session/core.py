@@ -260,6 +260,12 @@ class SessionCore:
         return self._change is Change.DUE
 
     @property
+    def change_agreed(self) -> bool:
+        """Every rank agreed, in the last step's agreement, to change the membership after it: the change is due
+        or under way (a generation that ends for it leaves nobody's loop apart)."""
+        return self._change in (Change.DUE, Change.PLANNED)
+
+    @property
     def pending_replay(self) -> Checkpoint | None:
         """Until the first step: the checkpoint a fit on this session replays its data up to (the one it resumed
         from, or the state an elastic run handed it)."""

@@ -59,7 +59,7 @@ class SessionView(Protocol):
     start_step: int
 
     @property
-    def change_due(self) -> bool: ...
+    def change_agreed(self) -> bool: ...
 
     @property
     def next_step(self) -> int: ...
@@ -155,7 +155,7 @@ class PeerLink:
     def _membership_changing(self, planned_after: int | None) -> None:
         if planned_after is not None:
             # Planned in that step's agreement, which every member took part in: this rank finishes the step
-            # (its collectives are done), and the next call makes the change (change_due).
+            # (its collectives are done), and the next call makes the change (Change.DUE).
             return
         self._news.append(MEMBERSHIP_CHANGING)
         self._news_arrived.set()
@@ -283,7 +283,7 @@ class PeerLink:
         """Tell the other ranks this one left its session normally, after how many operations."""
         runtime = self._runtime
         session = self._session
-        if runtime is None or session.change_due:
+        if runtime is None or session.change_agreed:
             # An elastic generation ending for a change every rank agreed on: nobody's loop went apart.
             return
         notice = FailureReport(

@@ -29,6 +29,8 @@ async def test_a_planned_change_stays_planned_when_a_member_is_lost_on_the_way()
     assert (core.change, core.changing, core.state) == (None, False, SessionState.IDLE)
     core.end_for_change()
     assert (core.change, core.changing, core.state) == (Change.PLANNED, True, SessionState.CHANGING)
+    # Agreed by every rank: the ending generation tells its peers of no departure (their loops did not go apart).
+    assert core.change_agreed and not core.change_due
     # Peers still finishing the agreed step finish it: the change stays the planned one.
     core.lost_generation()
     assert core.change is Change.PLANNED
@@ -44,6 +46,6 @@ async def test_a_loss_is_a_change_the_session_reports_until_it_ends() -> None:
     core = inside.core_of(session)
     core.life.fail(MembershipBroken(0, None, "a member was lost"))
     core.lost_generation()
-    assert (core.change, core.changing, core.state, core.change_due) == (Change.LOST, True, SessionState.CHANGING, False)
+    assert (core.change, core.changing, core.state, core.change_agreed) == (Change.LOST, True, SessionState.CHANGING, False)
     await session.aclose()
     assert core.change is None

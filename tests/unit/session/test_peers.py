@@ -36,7 +36,7 @@ class View:
     opened: bool = True
     failure: BaseException | None = None
     operations_done: int = 3
-    change_due: bool = False
+    change_agreed: bool = False
     start_step: int = 0
     call: LoopEvent | None = None
     positions: list[Device] = field(default_factory=list)
