@@ -27,6 +27,7 @@ from .errors import StopTraining as StopTraining
 from .errors import SyncFailed as SyncFailed
 from .errors import SyncTimeout as SyncTimeout
 from .errors import WorkerFailed as WorkerFailed
+from .result import Evaluation as Evaluation
 from .result import StepRecord as StepRecord
 from .session import Session as Session
 from .session import StepResult as StepResult
@@ -51,6 +52,7 @@ __all__ = (
     "Departed",
     "Elastic",
     "Engine",
+    "Evaluation",
     "FitError",
     "FitResult",
     "FitStats",

@@ -37,7 +37,7 @@ from .result import FitResult, FitStats
 from .session import SessionOpener
 from ._core.trace_files import trace_setting
 from .trace import Trace
-from .types import LossFn, OptimizerFactory, SchedulerFactory
+from .types import LossFn, MetricFn, OptimizerFactory, SchedulerFactory
 
 
 __all__ = ("Engine", "FitResult", "FitStats")
@@ -376,6 +376,11 @@ class Engine:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int = 2,
+        val_data: Iterable[Any] | AsyncIterable[Any] | None = None,
+        eval_every: int | None = None,
+        val_metric_fn: MetricFn | None = None,
+        keep_best: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
         loggers: Sequence[Any] = (),
         log_all_ranks: bool = False,
     ) -> FitResult:
@@ -393,6 +398,7 @@ class Engine:
           last of each group move no bytes. An epoch's trailing batches that
           do not fill a group are left out, with a warning.
         - ``callbacks``: objects with any of ``on_step_end(session, result)``,
+          ``on_evaluate(session, evaluation)`` (with ``val_data``),
           ``on_epoch_end(session, epoch)`` and ``on_fit_end(session)``, sync or
           async, called on the event loop between steps (they may await
           ``session.evaluate(...)`` or take ``session.checkpoint()``). Raising
@@ -421,6 +427,19 @@ class Engine:
           same step).
           With ``resume=checkpoint_dir`` the same command line serves the
           first run (no checkpoint yet: start from scratch) and every restart.
+        - ``val_data``: validation batches (re-iterable: a list or a
+          ``DataLoader``), evaluated with :meth:`Session.evaluate` (and
+          ``metric_fn=val_metric_fn``) after every ``eval_every``-th global
+          step and once at the end (not twice when the last step was just
+          evaluated), on every rank. Each result is a
+          :class:`~gsync.Evaluation` in ``FitResult.evaluations``, passed to
+          the callbacks' ``on_evaluate(session, evaluation)`` (which may raise
+          :class:`~gsync.StopTraining`: early stopping) and logged as
+          ``eval/<name>``. ``keep_best="loss"`` (a metric the evaluation
+          returns; ``best_mode="max"`` for one where higher is better) keeps
+          the best evaluation's checkpoint as ``checkpoint_dir/best.pt``,
+          beside the newest ``keep`` files and never rotated away; a resumed
+          run goes on from the best its ``best.json`` records.
 
         The model passed in is only read until training succeeds; then it
         receives the first replica's parameters and buffers. If ``fit`` fails
@@ -473,7 +492,9 @@ class Engine:
         if self.shard_optimizer:
             check_shardable(model)
         settings = FitLoopSettings.checked(
-            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven
+            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven,
+            val_data=val_data, eval_every=eval_every, val_metric_fn=val_metric_fn, keep_best=keep_best,
+            best_mode=best_mode,
         )
         engine_settings = settings_for_model(self._settings(), model, self._device_threads_asked)
         engine_settings = uneven_setting(engine_settings, uneven, process_local_data)

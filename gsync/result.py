@@ -12,7 +12,7 @@ from .checkpoint import Checkpoint
 from .elastic import MembershipChange
 from .trace import Trace
 
-__all__ = ("FitResult", "FitStats", "StepRecord", "StepResult")
+__all__ = ("Evaluation", "FitResult", "FitStats", "StepRecord", "StepResult")
 
 
 @dataclass
@@ -57,6 +57,19 @@ class StepRecord:
             object.__setattr__(self, "lrs", (self.lr,))
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """One validation inside a fit (``fit(val_data=..., eval_every=N)``): ``FitResult.evaluations`` and the
+    ``on_evaluate(session, evaluation)`` callbacks get these."""
+
+    step: int
+    """The last step trained before it: the model evaluated is the one after this step."""
+    metrics: dict[str, float]
+    """What ``session.evaluate(val_data, metric_fn=val_metric_fn)`` returned (``{"loss": ...}`` without one)."""
+    best: bool = False
+    """With ``keep_best``: this evaluation is the best so far by that metric, so its checkpoint is the ``best.pt`` file."""
+
+
 @dataclass
 class FitResult:
     """What a ``fit`` returns: the trained model, each step's loss and record, the final checkpoint."""
@@ -78,6 +91,8 @@ class FitResult:
     """One record per step this fit ran: step, epoch, loss, lr, rows, seconds, skipped, grad_norm, lrs."""
     membership: tuple[MembershipChange, ...] = ()
     """Every change of an elastic run's membership during this fit (``Engine(elastic=...)``), first first."""
+    evaluations: list[Evaluation] = field(default_factory=list)
+    """One :class:`Evaluation` per validation this fit ran (``val_data=``), in step order; empty without ``val_data``."""
 
     def plot(self, path: str | os.PathLike[str] | None = None) -> Any:
         """Loss and learning rate over steps, step time with its exposed communication (when traced) and each

@@ -246,6 +246,11 @@ class Session:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         keep: int = 2,
+        val_data: Iterable[Any] | AsyncIterable[Any] | None = None,
+        eval_every: int | None = None,
+        val_metric_fn: MetricFn | None = None,
+        keep_best: str | None = None,
+        best_mode: Literal["min", "max"] = "min",
         uneven: Literal["refuse", "join"] | None = None,
     ) -> FitResult:
         """Train on ``data`` from where the session is; ``Engine.fit`` is this call between an open and a close.
@@ -267,6 +272,12 @@ class Session:
         says what ranks fed process-local data of unequal length do, as in
         :meth:`gsync.Engine.fit`.
 
+        ``val_data`` is evaluated every ``eval_every`` steps (counted by the
+        session's global step, so a second fit continues the schedule) and at
+        the end of the call, as in :meth:`gsync.Engine.fit`; with
+        ``keep_best`` and a ``checkpoint_dir``, a later call compares against
+        the best its ``best.json`` records from an earlier step.
+
         A :class:`~gsync.StopTraining` from a callback ends the call early,
         normally, and the session stays open. A failure, or any other
         exception from a callback, closes the session (the exception
@@ -287,7 +298,9 @@ class Session:
         """
         self._check_call()
         settings = FitLoopSettings.checked(
-            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven
+            data, epochs, accumulate, callbacks, progress, checkpoint_dir, checkpoint_every, keep, uneven=uneven,
+            val_data=val_data, eval_every=eval_every, val_metric_fn=val_metric_fn, keep_best=keep_best,
+            best_mode=best_mode,
         )
         with cancellation_kept(_CALL_CANCELLED):
             return await self._fit(data, settings)

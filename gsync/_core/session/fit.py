@@ -11,7 +11,7 @@ import inspect
 import warnings
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import anyio
 import anyio.to_thread
@@ -20,13 +20,13 @@ from torch import nn
 
 from ...checkpoint import Checkpoint
 from ..state.checkpointing import restore_checkpoint_rng
-from ..state.checkpointing import CheckpointWriter
+from ..state.checkpointing import BestSoFar, CheckpointWriter, read_best
 from ...errors import CheckpointError, ConfigError, StopTraining
 from ..data.feeder import BatchRead, EpochEnded, Feeder, FeedItem, ReadFailed, batches_per_epoch
 from ..base.outcome import flatten, is_cancellation
-from .fit_settings import FitLoopSettings
+from .fit_settings import FitLoopSettings, ValidationSettings
 from .progress import Progress, progress_wanted
-from ...result import FitResult, StepRecord
+from ...result import Evaluation, FitResult, StepRecord
 from ...result import StepResult
 
 if TYPE_CHECKING:
@@ -96,6 +96,11 @@ async def run_fit(
             "session with process_local_data=True"
         )
     loop = _FitLoop(session, core, settings.callbacks, accumulate, history, writer, resume, carry, joining)
+    validation = settings.validation
+    if validation is not None:
+        loop.validation = validation
+        if validation.best_metric is not None and checkpoints is not None:
+            loop.best = read_best(checkpoints.directory, validation.best_metric, validation.best_mode, core.next_step)
     # The fit reports the changes from its first step on: one made as its session opened (a rank lost while the
     # launch met, or the change that took this process into a running run) is its own; one made before an
     # earlier `session.step` is not.
@@ -133,6 +138,7 @@ async def run_fit(
         trace=core.trace,
         history=history,
         membership=carry.membership_changes()[changes_before:] if carry is not None else (),
+        evaluations=loop.evaluations,
     )
 
 
@@ -156,7 +162,17 @@ async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | No
     # from it continues as one that never stopped, which would not have called on_fit_end there.
     # Copying the state to the CPU takes as long as a step may: in a thread, off the event loop.
     core = loop.core
+    # The fit ends with the model it returns validated, unless its last step just was (eval_every divides it).
+    last = core.next_step - 1
+    improved = False
+    if loop.validation is not None and loop.evaluated_step != last:
+        try:
+            improved = await loop.evaluate(last)
+        except StopTraining:
+            improved = loop.improved_at == last  # training has ended anyway
+    core = loop.core
     checkpoint = replace(await _capture(core), data_position=loop.position)
+    best_checkpoint = checkpoint
     steps_before = core.next_step
     try:
         await loop.call("on_fit_end", session)
@@ -167,6 +183,9 @@ async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | No
     if writer is not None:
         if loop.core.rank == 0:
             await writer.write(checkpoint)
+            if improved and loop.best is not None and loop.best.step == last:
+                # Taken before on_fit_end, as the newest file is: the best is the model its evaluation saw.
+                await writer.write_best(best_checkpoint, loop.best)
         await writer.close()
     return checkpoint
 
@@ -215,6 +234,13 @@ class _FitLoop:
         self._epochs_to_close: list[int] = []
         self._generators_to_restore = resume
         """The checkpoint whose random generators the run takes once its data is replayed (then ``None``)."""
+        self.validation: ValidationSettings | None = None
+        self.evaluations: list[Evaluation] = []
+        self.evaluated_step: int | None = None
+        """The step of the last evaluation, so the one at the end of the fit is not a second of the same model."""
+        self.best: BestSoFar | None = None
+        """With ``keep_best``: the best evaluation so far (a resumed run's starts as the run it continues left it)."""
+        self.improved_at: int | None = None
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
@@ -380,6 +406,8 @@ class _FitLoop:
         held, self._held = self._held, None
         result: StepResult | None = None
         due: Checkpoint | None = None
+        best: Checkpoint | None = None
+        evaluate_at: int | None = None
         if held is not None:
             step, epoch, batches, position = held
             if self.resume is not None and step == self.resume.next_step:
@@ -392,6 +420,17 @@ class _FitLoop:
             self.position = position
             if result is not None:
                 self._record(result, epoch)
+            # The fit's last step is evaluated here, before its epoch's on_epoch_end, as Lightning validates
+            # before the epoch ends (a fit that ends otherwise, stopped or joined, is evaluated in _finish).
+            # A step an elastic run's new membership started right after (result None) is evaluated too: its
+            # peers evaluate there, and the session hands this rank their result if they completed it. One it
+            # started further past is behind every peer: they evaluated there before this rank came back.
+            if (
+                self.validation is not None
+                and (last or self.validation.due(step))
+                and (result is not None or self.core.next_step - 1 == step)
+            ):
+                evaluate_at = step
             if (
                 result is not None
                 and self.writer is not None
@@ -403,21 +442,78 @@ class _FitLoop:
         try:
             if result is not None:
                 await self.call("on_step_end", self.session, result)
+            if evaluate_at is not None:
+                # After on_step_end and before on_epoch_end, as Lightning and HF's Trainer validate; before the
+                # step's file is written, whose generators are as the evaluation left them (what a resumed run
+                # starts from).
+                try:
+                    await self.evaluate(evaluate_at)
+                except StopTraining:
+                    # Early stopping on this very evaluation: its file is still the best.
+                    best = await self._best_checkpoint(evaluate_at, due)
+                    raise
+                best = await self._best_checkpoint(evaluate_at, due)
             closing, self._epochs_to_close = self._epochs_to_close, []
             for epoch in closing:
                 await self.call("on_epoch_end", self.session, epoch)
         except StopTraining:
-            await self._write(due, generators_now=True)
+            await self._write(due, best, generators_now=True)
             raise
         except BaseException:
             # A callback raised, or the fit is being cancelled (a notebook interrupt during an evaluate in
             # on_step_end): the step is consistent and its file is still written, with the generators as the
             # step left them; what the callback raised (or the cancellation) is what propagates.
             with contextlib.suppress(CheckpointError):
-                await self._write(due, generators_now=False)
+                await self._write(due, best, generators_now=False)
             raise
-        await self._write(due, generators_now=True)
+        await self._write(due, best, generators_now=True)
         return result
+
+    async def _best_checkpoint(self, step: int, due: Checkpoint | None) -> Checkpoint | None:
+        """The checkpoint of ``step`` for ``best.pt`` when its evaluation is the best so far (and this rank writes)."""
+        if self.writer is None or self.validation is None or self.validation.best_metric is None:
+            return None
+        improved = self.improved_at == step
+        if checkpoint_gathers(self.core):
+            # Every rank takes part in each gather; one that took its best so far from another best.json than
+            # rank 0 (a directory not shared) must still meet rank 0's gather, so each evaluation takes one.
+            taken = due if due is not None else replace(await _capture(self.core), data_position=self.position)
+            return taken if improved else None
+        if not improved or self.core.rank != 0:
+            return None
+        return due if due is not None else replace(await _capture(self.core), data_position=self.position)
+
+    async def evaluate(self, step: int) -> bool:
+        """Validate the model as of ``step`` (every rank: it is a collective), record it and tell the callbacks;
+        whether it is the best so far by ``keep_best``.
+
+        Through the public ``session.evaluate``, so that an elastic run carries it across membership changes and
+        the loggers get its ``eval/<name>`` once, as for an evaluate a callback calls.
+
+        :raises ~gsync.ConfigError: when the evaluation has no ``keep_best`` metric (at the first one).
+        """
+        validation = self.validation
+        assert validation is not None
+        session = cast(Any, self.session)
+        metrics = await session.evaluate(validation.data, metric_fn=validation.metric_fn)
+        self.evaluated_step = step
+        improved = False
+        metric = validation.best_metric
+        if metric is not None:
+            if metric not in metrics:
+                raise ConfigError(
+                    f"keep_best={metric!r}, but the evaluation after step {step} returned {sorted(metrics)}: "
+                    "name one of those, or make val_metric_fn return it"
+                )
+            value = float(metrics[metric])
+            if self.best is None or self.best.beaten_by(value):
+                self.best = BestSoFar(metric, validation.best_mode, step, value, dict(metrics))
+                self.improved_at = step
+                improved = True
+        evaluation = Evaluation(step, dict(metrics), best=improved)
+        self.evaluations.append(evaluation)
+        await self.call("on_evaluate", self.session, evaluation)
+        return improved
 
     def _restore_generators(self) -> None:
         """Once the data before a checkpoint is replayed: from here on the run draws random numbers as the one it
@@ -426,7 +522,7 @@ class _FitLoop:
         if checkpoint is not None:
             restore_checkpoint_rng(checkpoint)
 
-    async def _write(self, due: Checkpoint | None, generators_now: bool) -> None:
+    async def _write(self, due: Checkpoint | None, best: Checkpoint | None, generators_now: bool) -> None:
         """Write the checkpoint a step was due, copied as the step ended; ``generators_now``: with the random
         generators as they are now, once the step's callbacks have run.
 
@@ -434,14 +530,20 @@ class _FitLoop:
         leave them (a callback may draw from them: a sampled log line), so
         a run resumed from the file must too.
         """
-        if due is None or self.writer is None or self.core.rank != 0:
+        if self.writer is None or self.core.rank != 0:
             return  # rank 0 writes (every rank took a sharded run's checkpoint with it)
-        if generators_now and due.rng_state is not None:
-            due = replace(due, rng_state=self.core.generators())
+        generators = self.core.generators() if generators_now else None
         # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran
         # must not cost that step's file; handing it over waits at most for the write before it.
         with anyio.CancelScope(shield=True):
-            await self.writer.write(due)
+            if due is not None:
+                if generators is not None and due.rng_state is not None:
+                    due = replace(due, rng_state=generators)
+                await self.writer.write(due)
+            if best is not None and self.best is not None:
+                if generators is not None and best.rng_state is not None:
+                    best = replace(best, rng_state=generators)
+                await self.writer.write_best(best, self.best)
 
     def _check_position(self) -> None:
         """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,9 +12,74 @@ from ...errors import ConfigError, InputTypeError
 from ..data.feeder import batches_per_epoch, check_batch_source
 from ..state.checkpointing import CheckpointSettings
 
-__all__ = ("CALLBACK_HOOKS", "FitLoopSettings", "check_callbacks")
+__all__ = ("CALLBACK_HOOKS", "FitLoopSettings", "ValidationSettings", "check_callbacks")
 
-CALLBACK_HOOKS = ("on_step_end", "on_epoch_end", "on_fit_end", "on_membership_change")
+CALLBACK_HOOKS = ("on_step_end", "on_evaluate", "on_epoch_end", "on_fit_end", "on_membership_change")
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """``fit``'s validation arguments, checked: what to evaluate on, how often, and which metric picks the best file."""
+
+    data: Iterable[Any] | AsyncIterable[Any]
+    every: int | None
+    """Steps between evaluations; ``None``: once, at the end of the fit."""
+    metric_fn: Callable[..., Any] | None
+    best_metric: str | None
+    best_mode: str
+
+    def due(self, step: int) -> bool:
+        # By the global step, as checkpoint files are: a resumed fit evaluates where the run it continues would have.
+        return self.every is not None and (step + 1) % self.every == 0
+
+    @classmethod
+    def of(
+        cls, data: object, every: object, metric_fn: object, keep_best: object, best_mode: object, checkpoint_dir: object
+    ) -> ValidationSettings | None:
+        """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change."""
+        if best_mode not in ("min", "max"):
+            raise ConfigError(f"best_mode must be 'min' (a loss) or 'max' (an accuracy), got {best_mode!r}")
+        if keep_best is not None and not isinstance(keep_best, str):
+            raise InputTypeError(
+                f"keep_best must be the name of a metric val_data's evaluation returns (e.g. 'loss'), got {type(keep_best).__name__}"
+            )
+        if data is None:
+            given = [name for name, value in (("eval_every", every), ("val_metric_fn", metric_fn), ("keep_best", keep_best)) if value is not None]
+            if best_mode != "min":
+                given.append("best_mode")
+            if given:
+                raise ConfigError(f"{', '.join(given)} need(s) val_data: the batches to evaluate on, e.g. val_data=val_loader")
+            return None
+        try:
+            check_batch_source(data)
+        except InputTypeError as error:
+            raise InputTypeError(f"val_data: {error}") from None
+        _check_not_one_batch(data, "val_data")
+        if isinstance(data, (Iterator, AsyncIterator)):
+            raise ConfigError(
+                f"val_data is a one-shot iterator ({type(data).__name__}): it is evaluated at every eval_every steps "
+                "and at the end, so pass a re-iterable (a list or a DataLoader)"
+            )
+        if batches_per_epoch(data) == 0:
+            raise ConfigError("val_data has no batch (its len() is 0): there is nothing to evaluate on")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ConfigError(f"eval_every must be a positive number of steps or None (at the end only), got {every!r}")
+        if metric_fn is not None and not callable(metric_fn):
+            raise InputTypeError(
+                "val_metric_fn must be callable as val_metric_fn(model, shard) -> scalar or dict of scalars, "
+                f"got {type(metric_fn).__name__}"
+            )
+        if keep_best is not None:
+            if checkpoint_dir is None:
+                raise ConfigError(f"keep_best={keep_best!r} needs checkpoint_dir: the directory best.pt is written into")
+            if metric_fn is None and keep_best != "loss":
+                raise ConfigError(
+                    f"keep_best={keep_best!r}, but without val_metric_fn the evaluation returns 'loss' only: "
+                    "pass keep_best='loss', or a val_metric_fn that returns this metric"
+                )
+        elif best_mode != "min":
+            raise ConfigError(f"best_mode={best_mode!r} without keep_best does nothing: name the metric, e.g. keep_best='accuracy'")
+        return cls(data, every, metric_fn, keep_best, best_mode)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -28,6 +93,8 @@ class FitLoopSettings:
     checkpoints: CheckpointSettings | None
     uneven: str | None = None
     """``"join"``: ranks whose process-local data ended step on with empty shards; ``None``: the session's own."""
+    validation: ValidationSettings | None = None
+    """``val_data=`` and what goes with it; ``None``: no validation."""
 
     @classmethod
     def checked(
@@ -41,6 +108,11 @@ class FitLoopSettings:
         checkpoint_every: object,
         keep: object,
         uneven: object = None,
+        val_data: object = None,
+        eval_every: object = None,
+        val_metric_fn: object = None,
+        keep_best: object = None,
+        best_mode: object = "min",
     ) -> FitLoopSettings:
         """:raises ~gsync.ConfigError: or :class:`~gsync.InputTypeError`, naming what to change, before any work."""
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
@@ -73,7 +145,8 @@ class FitLoopSettings:
         checked_callbacks = check_callbacks(callbacks)
         if progress is not None and not isinstance(progress, bool):
             raise InputTypeError(f"progress must be True, False or None (automatic), got {type(progress).__name__}")
-        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints, uneven)  # type: ignore[arg-type]
+        validation = ValidationSettings.of(val_data, eval_every, val_metric_fn, keep_best, best_mode, checkpoint_dir)
+        return cls(epochs, accumulate, checked_callbacks, progress, checkpoints, uneven, validation)  # type: ignore[arg-type]
 
 
 def check_callbacks(callbacks: object) -> list[Any]:
@@ -92,7 +165,7 @@ def check_callbacks(callbacks: object) -> list[Any]:
     return checked
 
 
-def _check_not_one_batch(data: object) -> None:
+def _check_not_one_batch(data: object, name: str = "data") -> None:
     """:raises ~gsync.InputTypeError: for ``(X, Y)`` given as ``data``: one batch, whose "batches" are its tensors.
 
     Tensors of one row count but different shapes are the parts of one batch (features and labels); a list of
@@ -107,7 +180,7 @@ def _check_not_one_batch(data: object) -> None:
     if len(rows) == 1 and len(shapes) > 1:
         described = ", ".join(f"a tensor of shape {tuple(part.shape)}" for part in data)
         raise InputTypeError(
-            f"data is a {type(data).__name__} of {len(data)} tensors of {rows.pop()} rows each ({described}): "
+            f"{name} is a {type(data).__name__} of {len(data)} tensors of {rows.pop()} rows each ({described}): "
             "one batch, not an iterable of batches (each of its tensors would be a batch of its own); "
             "pass [batch] for one step, or a DataLoader over the tensors for batches of them, "
             "e.g. DataLoader(TensorDataset(X, Y), batch_size=64)"

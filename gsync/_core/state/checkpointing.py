@@ -1,7 +1,10 @@
 """Checkpoints in a directory: ``fit(checkpoint_dir=..., checkpoint_every=N, keep=K)`` and ``resume=directory``.
 
 Files are named ``step-00000041.pt`` after the last step they include, so
-the newest is the one with the highest step. Writing happens in a thread of
+the newest is the one with the highest step. With ``keep_best=``, the best
+evaluation's checkpoint is ``best.pt`` beside them, described by
+``best.json`` (its step and metrics): outside the ``step-*.pt`` names, so
+neither rotation nor ``resume=directory`` ever takes it. Writing happens in a thread of
 its own, off the event loop and off the training path: between two steps the
 state is copied (that copy is the only cost the step pays), and the file is
 written while training goes on. One write is in flight at a time.
@@ -9,9 +12,12 @@ written while training goes on. One write is in flight at a time.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +28,14 @@ from ...checkpoint import Checkpoint
 from ...errors import CheckpointError, ConfigError
 from .rng import restore_rng
 
-__all__ = ("CheckpointSettings", "CheckpointWriter", "checkpoint_path", "newest_checkpoint", "resolve_resume", "restore_checkpoint_rng")
+__all__ = (
+    "BEST_FILE", "BEST_RECORD", "BestSoFar", "CheckpointSettings", "CheckpointWriter", "checkpoint_path", "newest_checkpoint",
+    "read_best", "resolve_resume", "restore_checkpoint_rng",
+)
 
 _NAME = re.compile(r"^step-(\d{8,})\.pt$")
+BEST_FILE = "best.pt"
+BEST_RECORD = "best.json"
 # How long closing waits for the last write before leaving its thread.
 _CLOSE_GRACE_S = 60.0
 
@@ -51,6 +62,50 @@ class CheckpointSettings:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ConfigError(f"keep must be a positive number of checkpoints, got {keep!r}")
         return cls(Path(directory), every, keep)
+
+
+@dataclass(frozen=True)
+class BestSoFar:
+    """The best evaluation by ``metric`` so far: its step, value and every metric it had."""
+
+    metric: str
+    mode: str
+    step: int
+    value: float
+    metrics: dict[str, float]
+
+    def beaten_by(self, value: float) -> bool:
+        # Ties keep the earlier file: a plateau does not rewrite best.pt at every evaluation.
+        if math.isnan(value):
+            return False
+        if math.isnan(self.value):
+            return True
+        return value < self.value if self.mode == "min" else value > self.value
+
+
+def read_best(directory: Path, metric: str, mode: str, before_step: int) -> BestSoFar | None:
+    """The best so far recorded in ``directory`` for this metric and mode, from a step before ``before_step``.
+
+    A resumed run goes on comparing against the best of the run it continues, not starting over (which would
+    replace ``best.pt`` with its first evaluation, however bad). A record of a step at or past ``before_step``
+    is another timeline's (a run resumed from an older file), and one of another metric or mode is another
+    setting's: neither is taken. An unreadable record is left out with a warning.
+    """
+    path = directory / BEST_RECORD
+    if before_step <= 0 or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        best = BestSoFar(
+            str(record["metric"]), str(record["mode"]), int(record["step"]), float(record["value"]),
+            {str(name): float(value) for name, value in record["metrics"].items()},
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        warnings.warn(f"ignoring an unreadable {path}: {error!r}; best.pt will be replaced at the next evaluation", UserWarning, stacklevel=3)
+        return None
+    if best.metric != metric or best.mode != mode or best.step >= before_step or not (directory / BEST_FILE).is_file():
+        return None
+    return best
 
 
 def checkpoint_path(directory: Path, step: int) -> Path:
@@ -145,6 +200,16 @@ class CheckpointWriter:
         if checkpoint.step == self._last_step:
             return
         self._last_step = checkpoint.step
+        await self._submit(lambda: self._save(checkpoint))
+
+    async def write_best(self, checkpoint: Checkpoint, best: BestSoFar) -> None:
+        """Start writing ``checkpoint`` as ``best.pt``, with ``best.json`` saying what it is, after the write in flight.
+
+        :raises ~gsync.CheckpointError: when the previous write failed.
+        """
+        await self._submit(lambda: self._save_best(checkpoint, best))
+
+    async def _submit(self, save: Callable[[], Path]) -> None:
         await self.flush()
         done = anyio.Event()
         outcomes: list[Outcome[Path]] = []
@@ -153,8 +218,18 @@ class CheckpointWriter:
             outcomes.append(outcome)
             done.set()
 
-        self._worker.submit(lambda: self._save(checkpoint), finished)
+        self._worker.submit(save, finished)
         self._pending = (done, outcomes)
+
+    def _save_best(self, checkpoint: Checkpoint, best: BestSoFar) -> Path:
+        # The file first, then its record: a crash between them leaves a record of the previous best, which a
+        # resumed run compares against; the file it describes may only have been replaced by a better one.
+        path = checkpoint.save(self.directory / BEST_FILE)
+        record = {"metric": best.metric, "mode": best.mode, "step": best.step, "value": best.value, "metrics": best.metrics}
+        temporary = self.directory / f".{BEST_RECORD}.tmp"
+        temporary.write_text(json.dumps(record, indent=1))
+        os.replace(temporary, self.directory / BEST_RECORD)
+        return path
 
     def _save(self, checkpoint: Checkpoint) -> Path:
         path = checkpoint.save(checkpoint_path(self.directory, checkpoint.step))
