@@ -60,7 +60,7 @@ def _held_bytes(session: Any) -> list[int]:
     """Per device: parameters, their gradients (one each, in a bucket or in ``.grad``), the optimizer state and
     the all-gather's buffer: what a device holds for training, activations aside."""
     core = session._core
-    sharding = core._parts.context.sharding
+    sharding = core._parts.sharding
     held = []
     for index, actor in enumerate(core._actors):
         params = sum(p.numel() * p.element_size() for p in actor.replica.parameters() if p.requires_grad)

@@ -5,7 +5,8 @@ A collective that fails or times out says only that *some* peer is missing
 ``gsync-heartbeat`` thread therefore writes a small beat to the store twice a
 second, carrying where the rank is (step, phase, device, whether it is waiting
 for its peers and for how long it has been there), and reads every peer's beat
-in the same round trip. From those it can tell, without any clock shared
+in the same round trip. A step applied between two beats is published early,
+once (:meth:`Heartbeat.nudge`): steps are often shorter than the interval. From those it can tell, without any clock shared
 between machines:
 
 - a peer whose beat has not changed for :data:`STALE_AFTER_S` stopped: it was
@@ -144,7 +145,7 @@ class Heartbeat:
         Steps are often shorter than the interval, so without it a rank killed
         a few steps into a run would be last heard "starting the session".
         Only this rank's own beat is written early (peers are read at the
-        interval, as before), at most every ``interval_s / 5``.
+        interval, as before), and at most once between two beats.
         """
         self._wake.set()
 
@@ -168,19 +169,21 @@ class Heartbeat:
         keys = [self._key(rank) for rank in self._peers]
         present = not keys
         reported = False
-        next_read = time.monotonic() + self.interval_s
+        next_beat = time.monotonic() + self.interval_s
+        published_early = False
         try:
             while True:
-                self._wake.wait(max(0.0, next_read - time.monotonic()))
+                self._wake.wait(max(0.0, next_beat - time.monotonic()))
                 self._wake.clear()
                 if self._stopping.is_set():
                     break
-                if time.monotonic() < next_read:
-                    self._publish(store)
-                    # Nudges that come meanwhile are one: the next early beat waits this long.
-                    self._stopping.wait(self.interval_s / 5)
+                if time.monotonic() < next_beat:
+                    # Nudged: one early write between two beats at most, so the store sees at most twice the
+                    # writes of a rank that is never nudged, however short its steps.
+                    if not published_early:
+                        published_early = True
+                        self._publish(store)
                     continue
-                next_read = time.monotonic() + self.interval_s
                 try:
                     present = self._beat(store, keys, present)
                 except Exception as error:  # noqa: BLE001 - kept for diagnose(); the next beat tries again
@@ -189,6 +192,10 @@ class Heartbeat:
                     # its beats either way, so never stop trying.
                     self.store_error = error
                     continue
+                finally:
+                    # The interval counts from the end of a beat: a slow store is not written to back to back.
+                    next_beat = time.monotonic() + self.interval_s
+                    published_early = False
                 self.store_error = None
                 callback = self._on_lost
                 if callback is not None and not reported:
@@ -205,11 +212,11 @@ class Heartbeat:
                 self._changed.notify_all()
 
     def _publish(self, store: dist.Store) -> None:
-        """Write this rank's beat only (a nudge); a failure is the next full beat's to find."""
+        """Write this rank's beat only (a nudge); a failure is the next full beat's to find and report."""
         try:
             self._timed(store.set, self._key(self._rank), _ENCODER.encode(self._next_beat()))
-        except Exception as error:  # noqa: BLE001 - kept for diagnose(), as a full beat's is
-            self.store_error = error
+        except Exception:  # noqa: BLE001 - one failed write says nothing a full beat would not say better
+            pass
 
     def _beat(self, store: dist.Store, keys: list[str], present: bool) -> bool:
         """Write this rank's beat and read every peer's (one write and one read); whether all peers have beaten."""

@@ -48,9 +48,10 @@ GROUP_TYPES: tuple[type, ...] = (dist.ProcessGroup, dist.ProcessGroupGloo) + (
 )
 
 WAIT_SLICE = timedelta(milliseconds=50)
-# Upper bound on reporting a failure to other ranks and closing a process group.
-DIST_TEARDOWN_S = 10.0
 """How long one slice of a host-blocking wait lasts: the most a thread lingers in a collective after an abort."""
+
+DIST_TEARDOWN_S = 10.0
+"""Upper bound on reporting a failure to other ranks and closing a process group."""
 
 _SETTLING: deque[dist.Work] = deque(maxlen=16)
 """The last works waited on, kept so that gloo's worker thread never drops the last reference to one (see above)."""

@@ -96,9 +96,12 @@ class OperationLog:
 
 
 def _copied(result: Any) -> Any:
-    """``result`` (an evaluation's metrics, an all_reduce's number or tensor) as a copy nothing else holds."""
+    """``result`` (what an operation's ``run`` returned: an evaluation's metric names and sums, an all_reduce's
+    number or tensor) as a copy nothing else holds."""
     if isinstance(result, torch.Tensor):
         return result.detach().clone()
     if isinstance(result, dict):
         return {key: _copied(value) for key, value in result.items()}
+    if isinstance(result, (tuple, list)):
+        return type(result)(_copied(value) for value in result)
     return result

@@ -26,12 +26,12 @@ from .operations import Operation, OperationSite
 from .peers import PeerLink
 from .state import SessionState
 
-__all__ = ("CallGate", "Progress")
+__all__ = ("CallGate", "GateView")
 
 _R = TypeVar("_R")
 
 
-class Progress(Protocol):
+class GateView(Protocol):
     """What the gate reads of the session it guards, which outlives the gate's generation (the session core)."""
 
     @property
@@ -47,7 +47,7 @@ class CallGate:
     """The calls of one session: the one in flight, and how many completed."""
 
     def __init__(
-        self, life: SessionLife, peers: PeerLink, abort: threading.Event, sync_timeout: float, session: Progress
+        self, life: SessionLife, peers: PeerLink, abort: threading.Event, sync_timeout: float, session: GateView
     ) -> None:
         self._life = life
         self._session = session
@@ -184,12 +184,15 @@ class CallGate:
         self._done += 1
 
     async def run(self, operation: Operation[_R, Any], site: OperationSite) -> _R:
-        """Run ``operation``: its input checked, then refused if the session cannot take it, then run as one
-        operation (see :meth:`operation`); a failure of its own (a collective, a device, its data) fails the
-        session, whose ranks' collectives no longer match.
+        """Run ``operation``: its input checked, and the call refused if the session cannot take it (in the order the
+        operation asks), then run as one operation (see :meth:`operation`); a failure of its own (a collective, a
+        device, its data) fails the session, whose ranks' collectives no longer match.
         """
-        operation.check()
+        if operation.input_first:
+            operation.check()
         await self.check(operation.what)
+        if not operation.input_first:
+            operation.check()
         failure: BaseException | None = None
         try:
             async with self.operation(site.loop_handle()):

@@ -113,6 +113,8 @@ class SessionCore:
         self._snapshot_step = -1
         self._snapshot_wanted = False
         self._change: Change | None = None
+        self._generations_traced = 0
+        """Generations built and recorded on the trace (an engine's one ``Trace`` may have been another session's)."""
         self._begin(resume, None, agreed_start)
 
     def _begin(
@@ -274,7 +276,7 @@ class SessionCore:
     @property
     def traced(self) -> bool:
         """Some generation was built and recorded on the trace (a start that failed before that leaves no file)."""
-        return self._trace is not None and bool(self._trace.devices)
+        return self._generations_traced > 0
 
     @property
     def usable(self) -> bool:
@@ -314,6 +316,7 @@ class SessionCore:
         trace, elastic, topology = self._trace, self._elastic, self._topology
         if trace is None:
             return
+        self._generations_traced += 1
         devices = [spec.name for spec in self._settings.devices]
         if elastic is not None:
             trace.describe(elastic.launch_rank, elastic.launch_world, devices)

@@ -88,6 +88,11 @@ class Operation(Protocol[_R, _T_co]):
     def redoable(self) -> bool:
         """Interrupted by a membership change, it is redone over the next membership (its input can be read again)."""
 
+    @property
+    def input_first(self) -> bool:
+        """Its input is checked before the session is asked (else after: a failure the session settled while no
+        call ran is what the call raises, with its checkpoint, rather than a complaint about the input)."""
+
     def check(self) -> None:
         """Refuse bad input before anything runs (the session stays open).
 
@@ -108,6 +113,7 @@ class Evaluate:
 
     what = "evaluate"
     kind = "evaluate()"
+    input_first = False
 
     def __init__(self, data: Iterable[Any] | AsyncIterable[Any], metric_fn: MetricFn | None, *, redoable: bool) -> None:
         self._data = data
@@ -152,6 +158,7 @@ class AllReduce:
 
     what = "all_reduce"
     redoable = True  # every survivor still holds its value
+    input_first = True
 
     def __init__(self, value: float | torch.Tensor, op: ReduceOp) -> None:
         self._value = value

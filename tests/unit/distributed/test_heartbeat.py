@@ -164,3 +164,50 @@ def test_a_nudge_publishes_where_the_rank_is_before_its_next_beat() -> None:
             threading.Event().wait(0.005)  # polls the store, which has no way to wait for a key to change
             published = msgspec.msgpack.decode(ranks.store.get("gsync/run1/beat/0"), type=Beat)
         assert (published.where.step, published.where.phase) == (2, "outside gsync")
+
+
+class CountingStore:
+    """A store that records each call (it cannot be cloned, so the beat thread uses it too)."""
+
+    def __init__(self, peer_beat: bytes) -> None:
+        self.calls: list[str] = []
+        self._peer_beat = peer_beat
+        self._lock = threading.Lock()
+
+    def _note(self, call: str) -> None:
+        with self._lock:
+            self.calls.append(call)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._note("set")
+
+    def check(self, keys: list[str]) -> bool:
+        self._note("check")
+        return True
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._note("read")
+        return [self._peer_beat for _ in keys]
+
+    def clone(self) -> None:
+        raise RuntimeError("not a real store")
+
+
+@pytest.mark.timeout(30)
+def test_nudges_write_at_most_once_between_two_beats() -> None:
+    # A rank whose steps are far shorter than the interval nudges after every one: the store must not see a write
+    # per step, only one early write between two beats (the shared store serves every rank, quorum and report).
+    store = CountingStore(msgspec.msgpack.encode(Beat(1, Whereabouts(0, "gradient sync"), 0.0)))
+    heartbeat = Heartbeat(Member(store, 0, 2), interval_s=0.2, stale_after_s=5.0, lost_after_s=10.0)  # type: ignore[arg-type]
+    heartbeat.where = lambda: Whereabouts(1, "outside gsync")
+    heartbeat.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            heartbeat.nudge()
+            threading.Event().wait(0.005)  # a step of 5 ms
+    finally:
+        assert heartbeat.stop()
+    beats = "".join("r" if call == "read" else "s" if call == "set" else "" for call in store.calls)
+    between = [part.count("s") for part in beats.split("r")[1:-1]]  # writes between two full beats' reads
+    assert len(between) >= 3 and max(between) <= 2, beats  # the full beat's own write, and one early write

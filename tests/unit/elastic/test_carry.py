@@ -71,3 +71,8 @@ def test_the_result_kept_is_a_copy_the_caller_cannot_change() -> None:
         total.mul_(10)
     kind, kept = log.last(5)
     assert not kept.requires_grad and kept.device.type == "cpu" and torch.equal(kept, torch.full((3,), 2.0))
+    sums = torch.tensor([1.0, 4.0], dtype=torch.float64)
+    log.completed(5, "evaluate()", (["loss"], sums))
+    sums.zero_()
+    kind, (names, kept_sums) = log.last(5)
+    assert names == ["loss"] and torch.equal(kept_sums, torch.tensor([1.0, 4.0], dtype=torch.float64))

@@ -228,9 +228,10 @@ def test_a_member_whose_last_operation_was_interrupted_is_handed_the_result_the_
     # After step 5 member 0 completed two evaluations and member 1 one (its second was interrupted by the change).
     # Member 2 completed none after step 5 (no member can really be two behind: it is given nothing to run past
     # the others with), and member 3 is a joiner: neither is handed the result, and member 3 is sent the state.
-    metrics = {"loss": 0.25, "accuracy": 0.75}
+    # What an evaluation's run returns on every rank: the metrics' names, and their sums with the rows last.
+    names, totals = ["accuracy", "loss"], torch.tensor([7.5, 2.5, 10.0], dtype=torch.float64)
     logs = [
-        log_after(5, [("evaluate()", {"loss": 0.5}), ("evaluate()", metrics)]),
+        log_after(5, [("evaluate()", {"loss": 0.5}), ("evaluate()", (names, totals))]),
         log_after(5, [("evaluate()", {"loss": 0.5})]),
         log_after(4, [("all_reduce(op='sum')", 3.0)]),
         OperationLog(),
@@ -243,7 +244,8 @@ def test_a_member_whose_last_operation_was_interrupted_is_handed_the_result_the_
     assert agreed[:3] == held[:3]  # as advanced as the sender: each goes on with its own
     assert agreed[3] is not None and agreed[3].step == 5
     # Member 1's redo of its second evaluation after step 5 returns member 0's metrics, and runs nothing.
-    assert logs[1].take(5, "evaluate()") == (True, metrics)
+    handed, result = logs[1].take(5, "evaluate()")
+    assert handed and result[0] == names and torch.equal(result[1], totals) and result[1].dtype == torch.float64
     for log in (logs[0], logs[2], logs[3]):
         assert log.take(5, "evaluate()") == (False, None)
         log.completed(5, "evaluate()", {"loss": 0.5})

@@ -113,6 +113,7 @@ class Failing:
     what = "all_reduce"
     kind = "all_reduce(op='sum')"
     redoable = True
+    input_first = True
 
     async def run(self, site: Site) -> float:
         raise gsync.SyncFailed(site.last_step, None, site="all_reduce")
@@ -148,15 +149,20 @@ async def test_an_operation_runs_once_counted_and_leaves_the_session_idle() -> N
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(10)
-async def test_bad_input_is_refused_before_the_session_is_asked() -> None:
+async def test_each_operation_says_whether_its_input_or_the_session_is_checked_first() -> None:
     life = FakeLife()
-    life.lifecycle.move(SessionState.CLOSING)  # a closed session would refuse the call itself
+    life.lifecycle.move(SessionState.CLOSING)
     calls = gate(life)
+    # all_reduce's input is refused as it is, whatever the session's state.
     with pytest.raises(gsync.ConfigError, match="op must be"):
         await calls.run(AllReduce(1.0, "median"), Site())  # type: ignore[arg-type]
-    with pytest.raises(gsync.InputTypeError, match="metric_fn must be callable"):
+    # evaluate asks the session first: a failure settled while no call ran is what it raises, with its checkpoint.
+    with pytest.raises(gsync.SessionClosed, match="after the session was closed"):
         await calls.run(Evaluate([1], "loss", redoable=True), Site())  # type: ignore[arg-type]
-    assert (calls.done, life.calls_begun) == (0, 0)
+    open_life = FakeLife()
+    with pytest.raises(gsync.InputTypeError, match="metric_fn must be callable"):
+        await gate(open_life).run(Evaluate([1], "loss", redoable=True), Site())  # type: ignore[arg-type]
+    assert (calls.done, life.calls_begun, open_life.calls_begun) == (0, 0, 0)
 
 
 @pytest.mark.asyncio
