@@ -510,6 +510,7 @@ def _raised_at_caller(function: _Function) -> _Function:
     """
     if inspect.iscoroutinefunction(function):
 
+        # Named so: gsync_pytest's report of a task left running looks through it, to the call it awaits.
         @functools.wraps(function)
         async def call_async(*args: Any, **kwargs: Any) -> Any:
             try:

@@ -117,7 +117,10 @@ def _gsync_code_awaited_by(coro: object, package: str) -> str | None:
     while coro is not None and seen < 100:
         seen += 1
         code = getattr(coro, "cr_code", None) or getattr(coro, "ag_code", None) or getattr(coro, "gi_code", None)
-        if code is not None and os.path.abspath(code.co_filename).startswith(package):
+        # gsync.errors' wrapper of the public coroutines only forwards (it trims a user's error): the call it
+        # awaits (Engine.fit, ...) is what the task is in.
+        forwarding = code is not None and code.co_qualname == "_raised_at_caller.<locals>.call_async"
+        if code is not None and not forwarding and os.path.abspath(code.co_filename).startswith(package):
             frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
             line = frame.f_lineno if frame is not None else code.co_firstlineno
             where = os.path.relpath(code.co_filename, os.path.dirname(package.rstrip(os.sep)))

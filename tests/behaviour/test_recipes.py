@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import gsync
+from tests.support.gates import InfGradOnMarkedRows
 from tests.support.inside import scalers_of
 from tests.support.models import TiedNet, adamw, classification_loss, make_batches, sgd
 from tests.support.reference import assert_same_state, plain_loop, step_lr, train_reference
@@ -253,19 +254,6 @@ async def test_bf16_autocast_matches_a_plain_bf16_loop() -> None:
     # bf16 rounds each shard's matmuls on its own: equal to bf16 precision, not bit for bit.
     assert [r.loss for r in results] == pytest.approx(losses, abs=1e-3)
     assert all(p.dtype == torch.float32 for p in trained.parameters())
-
-
-class InfGradOnMarkedRows(torch.autograd.Function):
-    """Identity forward; backward gives +inf gradients when the shard holds a marked row."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, marked: bool) -> torch.Tensor:
-        ctx.marked = marked
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (torch.full_like(grad, math.inf) if ctx.marked else grad), None
 
 
 def loss_with_inf_grad_on_marked_rows(model: nn.Module, batch: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 import gsync
 from gsync.comm._shards import shard_bounds
 from tests.support.models import TINY, TiedNet, adam, adamw, classification_loss, make_batches, momentum
-from tests.support.reference import plain_loop, step_lr
+from tests.support.reference import assert_same_optimizer_state, plain_loop, step_lr
 
 pytestmark = pytest.mark.asyncio
 
@@ -77,9 +77,10 @@ def state_elements(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
-@pytest.mark.parametrize("devices", [2, 3])
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-async def test_sharded_equals_unsharded_and_the_plain_loop_with_clipping_and_accumulation(devices: int, name: str) -> None:
+# Every optimizer over 3 devices, whose shards cut most buckets unevenly; over 2, one of them (each optimizer's
+# state is sharded by the same code whatever the device count).
+@pytest.mark.parametrize(("name", "devices"), [*((name, 3) for name in sorted(OPTIMIZERS)), ("adamw", 2)])
+async def test_sharded_equals_unsharded_and_the_plain_loop_with_clipping_and_accumulation(name: str, devices: int) -> None:
     torch.manual_seed(0)
     model = TiedNet()
     steps = steps_of(accumulate=2)
@@ -100,20 +101,6 @@ async def test_sharded_equals_unsharded_and_the_plain_loop_with_clipping_and_acc
     assert max(per_device) <= whole_elements // devices + 1 * len(whole.optimizer_state["state"]), per_device
     # The checkpoint holds the whole state, in the unsharded format.
     assert_same_optimizer_state(gathered.optimizer_state, whole.optimizer_state)
-
-
-def assert_same_optimizer_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    assert actual["param_groups"] == expected["param_groups"]
-    assert actual["state"].keys() == expected["state"].keys()
-    for key, values in expected["state"].items():
-        assert actual["state"][key].keys() == values.keys(), key
-        for name, value in values.items():
-            got = actual["state"][key][name]
-            if isinstance(value, torch.Tensor):
-                assert got.shape == value.shape and got.dtype == value.dtype, (key, name)
-                torch.testing.assert_close(got, value, atol=1e-5, rtol=0)
-            else:
-                assert got == value, (key, name)
 
 
 async def test_uneven_splits_and_shards_of_nothing() -> None:

@@ -8,6 +8,7 @@ the same two-term sum), and the bytes that cross the process group halve.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -44,27 +45,6 @@ def ones_linear() -> nn.Module:
     return model
 
 
-async def train_all(devices: list[str]) -> dict[str, Any]:
-    """Every configuration, on ``devices`` of this process (and, under the harness, the other rank's)."""
-    import gsync
-
-    out: dict[str, Any] = {}
-    for compression in COMPRESSIONS:
-        result = await gsync.Engine(devices, compression=compression, sync_timeout=30).fit(
-            mlp(), make_batches(STEPS, ROWS), optimizer=sgd, loss_fn=classification_loss
-        )
-        out[str(compression)] = {
-            "state": {k: v.detach().clone() for k, v in result.model.state_dict().items()},
-            "losses": result.losses,
-            "reduced_bytes": result.stats.reduced_bytes,
-        }
-    overflow = await gsync.Engine(devices, compression="fp16", sync_timeout=30).fit(
-        ones_linear(), [(torch.ones(3, 4), torch.zeros(3))], optimizer=tiny_sgd, loss_fn=scaled_loss
-    )
-    out["overflow"] = overflow.model.get_parameter("weight").detach().clone()
-    return out
-
-
 class CountingDist:
     """``torch.distributed`` as the process-group collective sees it, counting the bytes it all-reduces."""
 
@@ -81,23 +61,36 @@ class CountingDist:
         return torch.distributed.all_reduce(tensor, *args, **kwargs)
 
 
+async def train_all(devices: list[str], wire: dict[str, CountingDist] | None = None) -> dict[str, Any]:
+    """Every configuration, on ``devices`` of this process (and, under the harness, the other rank's); with
+    ``wire``, each compression's fit also counts what the process-group collective hands to gloo there."""
+    import gsync
+
+    out: dict[str, Any] = {}
+    for compression in COMPRESSIONS:
+        counting: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if wire is not None:
+            wire[str(compression)] = counter = CountingDist()
+            counting = replace_process_group_dist(counter)
+        with counting:
+            result = await gsync.Engine(devices, compression=compression, sync_timeout=30).fit(
+                mlp(), make_batches(STEPS, ROWS), optimizer=sgd, loss_fn=classification_loss
+            )
+        out[str(compression)] = {
+            "state": {k: v.detach().clone() for k, v in result.model.state_dict().items()},
+            "losses": result.losses,
+            "reduced_bytes": result.stats.reduced_bytes,
+        }
+    overflow = await gsync.Engine(devices, compression="fp16", sync_timeout=30).fit(
+        ones_linear(), [(torch.ones(3, 4), torch.zeros(3))], optimizer=tiny_sgd, loss_fn=scaled_loss
+    )
+    out["overflow"] = overflow.model.get_parameter("weight").detach().clone()
+    return out
+
+
 def rank_main() -> dict[str, Any]:
     counters: dict[str, CountingDist] = {}
-
-    async def counted() -> dict[str, Any]:
-        import gsync
-
-        out = await train_all(["cpu"])
-        # The same fits again, this time counting what the process-group collective hands to gloo.
-        for compression in COMPRESSIONS:
-            counters[str(compression)] = counter = CountingDist()
-            with replace_process_group_dist(counter):
-                await gsync.Engine(["cpu"], compression=compression, sync_timeout=30).fit(
-                    mlp(), make_batches(STEPS, ROWS), optimizer=sgd, loss_fn=classification_loss
-                )
-        return out
-
-    out = asyncio.run(counted())
+    out = asyncio.run(train_all(["cpu"], counters))
     out["wire"] = {key: (counter.nbytes, sorted(str(d) for d in counter.dtypes)) for key, counter in counters.items()}
     return out
 

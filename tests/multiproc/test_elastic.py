@@ -40,7 +40,11 @@ def survivors(ranks: ElasticRanks, names: list[str], timeout: float = 90, *, onl
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim", [1, 0])
 def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -> None:
-    config = {"steps": STEPS, "die": {"rank": victim, "step": 4, "how": "kill"}}
+    # A killed rank never answers the change; waiting out answer_within for it is what a frozen one costs. Its
+    # closed connection already says it is gone: with rank 1 killed, answer_within is 30 s, and the change must
+    # still be made within 10 (rank 0's loss keeps the default, 1 s, as the other elastic tests do).
+    patience, within = ({"answer_within": 30.0}, 10) if victim == 1 else ({}, 30)
+    config = {"steps": STEPS, "die": {"rank": victim, "step": 4, "how": "kill"}, **patience}
     with ElasticRanks(3, config) as ranks:
         outcomes = survivors(ranks, [str(r) for r in range(3) if r != victim])
     expected = uninterrupted(STEPS)
@@ -52,7 +56,7 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
         step, lost, joined, world_size, seconds, reason = change
         assert (lost, joined, world_size, reason) == ((victim,), (), 2, "lost")
         assert step in (4, 5), change  # the step redone, or the next one when a survivor had applied it
-        assert 0 < seconds < 30
+        assert 0 < seconds < within, change
         # Every step is applied exactly once on each survivor: 3 ranks until the change, 2 after it.
         assert outcome["world_sizes"][:4] == [3, 3, 3, 3]
         assert outcome["world_sizes"][-1] == 2
@@ -61,21 +65,6 @@ def test_a_killed_rank_is_left_behind_and_the_survivors_end_exact(victim: int) -
         assert len(set(outcome["optimizer_ids"])) == 1, outcome["optimizer_ids"]
         assert outcome["changes_seen"] == [f"membership change at step {step}: lost rank(s) {victim}; 2 rank(s) now"]
         assert outcome["marks"] == outcome["changes_seen"]  # and marked on the session's one trace
-
-
-@pytest.mark.timeout(120)
-def test_a_killed_rank_is_left_out_once_gloo_says_its_connection_closed_not_after_answer_within() -> None:
-    # A killed rank never answers the change; waiting out answer_within (30 s here) for it is what a frozen one
-    # costs. Its closed connection already says it is gone.
-    config = {"steps": STEPS, "die": {"rank": 1, "step": 4, "how": "kill"}, "answer_within": 30.0}
-    with ElasticRanks(3, config) as ranks:
-        outcomes = survivors(ranks, ["0", "2"])
-    expected = uninterrupted(STEPS)
-    for rank in ("0", "2"):
-        assert_equal_to(expected, outcomes[rank])
-        (change,) = outcomes[rank]["membership"]
-        assert change[1:4] == ((1,), (), 2) and change[5] == "lost", change
-        assert change[4] < 10, change
 
 
 @pytest.mark.timeout(120)

@@ -1,7 +1,9 @@
-"""Callbacks and autograd stand-ins that hold a run at a chosen point, so a test can observe what happens there."""
+"""Callbacks and autograd stand-ins that hold a run at a chosen point, or break it there, so a test can observe what
+happens."""
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -78,3 +80,16 @@ class _Held(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.gate._wait()
         return grad, None
+
+
+class InfGradOnMarkedRows(torch.autograd.Function):
+    """Identity forward; backward gives +inf gradients when the shard holds a marked row."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, marked: bool) -> torch.Tensor:
+        ctx.marked = marked
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (torch.full_like(grad, math.inf) if ctx.marked else grad), None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -24,17 +25,22 @@ if TYPE_CHECKING:
     import gsync.testing
 
 __all__ = (
+    "MembershipStage",
+    "ServerPost",
     "actors_of",
     "claim",
+    "core_of",
     "count_whole_bucket_takes",
     "device_flags",
     "end_generation_for_change",
+    "end_generation_for_loss",
     "ended_event",
     "heartbeat_whereabouts",
     "is_changing",
     "is_closed",
     "is_operating",
     "is_usable",
+    "membership_stage",
     "never_take_a_bucket_whole",
     "post_a_message_the_server_cannot_take",
     "pretend_torch_threads_split_per_thread",
@@ -43,6 +49,7 @@ __all__ = (
     "replicas_of",
     "scalers_of",
     "server_of",
+    "settle_a_loss",
     "settle_a_loss_and_end_the_generation",
     "site_hooks_of",
     "step_the_generation",
@@ -122,12 +129,43 @@ def end_generation_for_change(session: gsync.Session) -> None:
     core_of(session).end_for_change()
 
 
+def settle_a_loss(session: gsync.Session, loss: BaseException) -> None:
+    """A member's loss settled on the current generation, as its failure (the generation fails closed)."""
+    core_of(session).life.fail(loss)
+
+
+def end_generation_for_loss(session: gsync.Session) -> None:
+    """What an elastic run's service does once a generation ended because a member was lost: the run goes on with
+    the others (a change already planned stays the planned one)."""
+    core_of(session).lost_generation()
+
+
 def settle_a_loss_and_end_the_generation(session: gsync.Session, loss: BaseException) -> None:
     """What an elastic run's service does when a member is lost while no call runs: the loss is settled on the
     generation, which then ends for the change."""
+    settle_a_loss(session, loss)
+    end_generation_for_loss(session)
+
+
+@dataclass(frozen=True)
+class MembershipStage:
+    """Where an elastic run's membership change stands, as the session core reports it."""
+
+    change: Any
+    """The stage (``gsync._core.session.state.Change``), ``None`` when no change is due or under way."""
+    changing: bool
+    """Between two generations: the last one ended for a change, the next one is not open."""
+    state: Any
+    """The lifecycle state the core reports (``SessionState``)."""
+    agreed: bool
+    """Every rank agreed on the change (a knock or a departure), so the ending generation tells of no departure."""
+    due: bool
+    """Agreed after the last step, and not made yet: the next call makes it."""
+
+
+def membership_stage(session: gsync.Session) -> MembershipStage:
     core = core_of(session)
-    core.life.fail(loss)
-    core.lost_generation()
+    return MembershipStage(core.change, bool(core.changing), core.state, bool(core.change_agreed), bool(core.change_due))
 
 
 async def step_the_generation(session: gsync.Session, batches: list[Any]) -> Any:

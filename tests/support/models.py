@@ -85,6 +85,10 @@ def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
+RECIPE = {"optimizer": sgd, "loss_fn": classification_loss}
+"""The recipe most sessions are opened with: ``engine.session(model, **RECIPE)``."""
+
+
 def momentum(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 

@@ -36,6 +36,21 @@ def assert_same_state(actual: nn.Module, expected: nn.Module, atol: float = 2e-5
         torch.testing.assert_close(value, expected_state[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def assert_same_optimizer_state(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Two optimizer state dicts (a gathered one, a whole one) hold the same groups, and the same state to 1e-5."""
+    assert actual["param_groups"] == expected["param_groups"]
+    assert actual["state"].keys() == expected["state"].keys()
+    for key, values in expected["state"].items():
+        assert actual["state"][key].keys() == values.keys(), key
+        for name, value in values.items():
+            got = actual["state"][key][name]
+            if isinstance(value, torch.Tensor):
+                assert got.shape == value.shape and got.dtype == value.dtype, (key, name)
+                torch.testing.assert_close(got, value, atol=1e-5, rtol=0)
+            else:
+                assert got == value, (key, name)
+
+
 def step_lr(optimizer: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 

@@ -18,11 +18,9 @@ from gsync._core.base.faults import MembershipBroken
 import gsync.testing
 from gsync_pytest import gsync_threads
 from tests.support import inside
-from tests.support.models import TWO, TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import RECIPE, TWO, TiedNet, make_batches
 from tests.support.reference import assert_same_state, step_lr, train_reference
 from tests.support.tasks import assert_no_tasks_left
-
-RECIPE: dict[str, Any] = dict(optimizer=sgd, loss_fn=classification_loss)
 
 
 async def in_a_task(awaitable: Any) -> Any:
