@@ -17,10 +17,10 @@ from tests.support.batchnorm import (
     norm_batches,
     norm_loss,
     norm_sgd,
-    state_of,
     synced,
     worst_difference,
 )
+from tests.support.reference import state_of
 
 pytestmark = pytest.mark.asyncio
 

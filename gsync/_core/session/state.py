@@ -3,14 +3,14 @@ one method, the others refused.
 
 ::
 
-    OPENING ──► IDLE ◄──► OPERATING
-       │         │  ╲  ╲       │  ╲
-       │         │   ╲  ╲──────┼───► CLOSING ──► CLOSED
-       │         │    ╲        │        │        ▲  ▲
-       │         │     ╲──► CHANGING ───┼────────┘  │
-       │         ▼           ▼  │       │           │
-       └──────► FAILING ◄───────┴───────┘           │
-                   └──► FAILED ─────────────────────┘
+    OPENING    ──► IDLE, CLOSING
+    IDLE       ──► OPERATING, FAILING, CHANGING, CLOSING
+    OPERATING  ──► IDLE, FAILING, CLOSING
+    FAILING    ──► FAILED, CLOSED
+    FAILED     ──► CLOSED
+    CHANGING   ──► FAILING, CLOSED
+    CLOSING    ──► FAILING, CLOSED
+    CLOSED     (nothing leaves it)
 
 What each state answers, asked by the operations, the peers protocol and
 the service:
@@ -74,8 +74,9 @@ class Change(enum.Enum):
 
 _S = SessionState
 ALLOWED: Mapping[SessionState, frozenset[SessionState]] = {
-    # A start may fail (its collectives, a peer), be closed while it runs, or be cut short by a cancellation.
-    _S.OPENING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING, _S.CLOSED}),
+    # A start that fails (its collectives, a peer), is closed while it runs, or is cut short by a cancellation
+    # asks for its end, and is torn down from CLOSING: serving, where a failure is settled, begins only once open.
+    _S.OPENING: frozenset({_S.IDLE, _S.CLOSING}),
     # A change every rank agreed on is made between calls.
     _S.IDLE: frozenset({_S.OPERATING, _S.FAILING, _S.CHANGING, _S.CLOSING}),
     _S.OPERATING: frozenset({_S.IDLE, _S.FAILING, _S.CLOSING}),

@@ -17,11 +17,7 @@ S = SessionState
 
 DESIGN: dict[tuple[SessionState, SessionState], str] = {
     (S.OPENING, S.IDLE): "the start finished (joined, replicas taken or copied, workers built)",
-    # The diagram's; no path makes it now (a failed start is failed, then closed, through CLOSING).
-    (S.OPENING, S.FAILING): "a start's collectives or a peer failed",
     (S.OPENING, S.CLOSING): "its end was asked for while it started (aclose, a drop, engine.aclose, a failed start)",
-    # No path makes it now either (the close asks for the end first, which moves OPENING to CLOSING).
-    (S.OPENING, S.CLOSED): "a start cut short by a cancellation, torn down as it was",
     (S.IDLE, S.OPERATING): "a call (step, evaluate, all_reduce) starts",
     (S.IDLE, S.FAILING): "a device, the sync server or a peer failed between calls",
     (S.IDLE, S.CHANGING): "every rank agreed to change an elastic run's membership: made between calls",
