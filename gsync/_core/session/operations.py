@@ -7,8 +7,10 @@ session that cannot take it, counts it (across processes the ranks' n-th
 operations meet), and fails the session if it fails; an elastic run's carry
 (:meth:`~gsync._core.session.service.SessionService.carried`) redoes it over
 the next membership, or takes a peer's result, by what the operation says of
-itself. The step runs through the same gate (its shards go to the actors
-instead of a collective of the session's own).
+itself. The step is not an Operation yet: it passes the same gate's check
+and is counted by the same ``operation()``, but a failure inside it is the
+session's settled failure already, and a bad batch it finds must not fail the
+session, which ``run``'s rule would.
 """
 
 from __future__ import annotations
