@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
+import importlib.util
 import logging
 import math
 import os
@@ -25,7 +25,7 @@ from torch import nn
 import gsync
 import gsync.testing
 from gsync_pytest import gsync_threads
-from tests.support.models import TiedNet, classification_loss, make_batches, sgd
+from tests.support.models import TiedNet, adamw, classification_loss, make_batches, momentum, sgd
 from tests.support.reference import assert_same_state, plain_loop, train_reference
 from tests.support.paths import ROOT
 
@@ -197,79 +197,23 @@ async def test_an_error_fit_raises_is_raised_not_also_logged(caplog: pytest.LogC
 # -- the optimizer from the model (issue 57) ----------------------------------------------------------------------
 
 
-class _CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)
-        self.c_proj = nn.Linear(n_embd, n_embd, bias=False)
-        self.n_head = n_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+def _nanogpt_example() -> types.ModuleType:
+    path = ROOT / "examples" / "nanogpt_char.py"
+    spec = importlib.util.spec_from_file_location("nanogpt_char_example", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-class _Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = _CausalSelfAttention(n_embd, n_head)
-        self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=False), nn.GELU(), nn.Linear(4 * n_embd, n_embd, bias=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+_NANOGPT = _nanogpt_example()
 
 
-class NanoGPT(nn.Module):
-    """Written as nanoGPT's model.py (with bias=False, its recommended setting: a key bias has no gradient, which
-    AdamW turns into noise-sized steps that differ with float rounding): tied embedding and head,
-    forward(idx, targets) -> (logits, loss), and its configure_optimizers verbatim (groups by dimension over
-    named_parameters, and its prints)."""
-
-    def __init__(self, vocab_size: int = 16, block_size: int = 8, n_embd: int = 16, n_head: int = 2, n_layer: int = 2) -> None:
-        super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab_size, n_embd),
-            wpe=nn.Embedding(block_size, n_embd),
-            h=nn.ModuleList([_Block(n_embd, n_head) for _ in range(n_layer)]),
-            ln_f=nn.LayerNorm(n_embd),
-        ))
-        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # type: ignore[union-attr]
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # type: ignore[operator]
-        for block in self.transformer.h:  # type: ignore[union-attr]
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # type: ignore[operator]
-        loss = None if targets is None else F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
-
-    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas: tuple[float, float], device_type: str) -> torch.optim.Optimizer:
-        param_dict = {pn: p for pn, p in self.named_parameters()}
-        param_dict = {pn: p for pn, p in param_dict.items() if p.requires_grad}
-        decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
-        nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
-        optim_groups = [
-            {"params": decay_params, "weight_decay": weight_decay},
-            {"params": nodecay_params, "weight_decay": 0.0},
-        ]
-        num_decay_params = sum(p.numel() for p in decay_params)
-        num_nodecay_params = sum(p.numel() for p in nodecay_params)
-        print(f"num decayed parameter tensors: {len(decay_params)}, with {num_decay_params:,} parameters")
-        print(f"num non-decayed parameter tensors: {len(nodecay_params)}, with {num_nodecay_params:,} parameters")
-        fused_available = "fused" in inspect.signature(torch.optim.AdamW).parameters
-        use_fused = fused_available and device_type == "cuda"
-        extra_args = dict(fused=True) if use_fused else dict()
-        optimizer = torch.optim.AdamW(optim_groups, lr=learning_rate, betas=betas, **extra_args)
-        print(f"using fused AdamW: {use_fused}")
-        return optimizer
+def NanoGPT() -> nn.Module:
+    """nanoGPT's model as ``examples/nanogpt_char.py`` writes it (tied embedding and head, ``forward(idx, targets) ->
+    (logits, loss)``, its ``configure_optimizers`` verbatim, prints included): one definition for the example and
+    these tests, small here."""
+    return _NANOGPT.GPT(vocab_size=16, block_size=8, n_embd=16, n_head=2)
 
 
 def _token_batches(steps: int, rows: int = 8, block_size: int = 8, vocab_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -425,20 +369,12 @@ asyncio.run(main())
     assert "await session.aclose()" in completed.stderr
 
 
-def _momentum_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("recorded", [True, False], ids=["class-recorded", "older-file"])
 async def test_resuming_another_optimizers_state_is_refused_as_the_session_opens(recorded: bool, tmp_path: Any) -> None:
     engine = gsync.Engine(["cpu:0", "cpu:1"])
     model = TiedNet()
-    result = await engine.fit(model, make_batches(2, 8), optimizer=_momentum_sgd, loss_fn=classification_loss, progress=False)
+    result = await engine.fit(model, make_batches(2, 8), optimizer=momentum, loss_fn=classification_loss, progress=False)
     assert result.checkpoint is not None
     checkpoint = gsync.Checkpoint.load(result.checkpoint.save(tmp_path / "run.ckpt"))
     assert checkpoint.optimizer_class == "torch.optim.sgd.SGD"
@@ -447,7 +383,7 @@ async def test_resuming_another_optimizers_state_is_refused_as_the_session_opens
     named = r"state of optimizer SGD, and the optimizer factory built AdamW" if recorded else r"than the AdamW .* no .*betas.*momentum"
     opened = False
     with pytest.raises(gsync.ConfigError, match=named) as caught:
-        async with engine.session(model, optimizer=_adamw, loss_fn=classification_loss, resume=checkpoint):
+        async with engine.session(model, optimizer=adamw, loss_fn=classification_loss, resume=checkpoint):
             opened = True  # never: refused as the session opens, not at the first step inside a worker
     assert not opened and "start without resume=" in str(caught.value)
     assert gsync_threads() == []

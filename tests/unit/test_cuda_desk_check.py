@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gsync
+from tests.support.gates import InfGradOnMarkedRows
 from tests.support.models import TiedNet, make_batches, sgd
 from gsync._core.threads import FitAborted
 from gsync._core.base.agreement import AgreedStep, StepFacts
@@ -290,17 +291,6 @@ def test_a_host_group_wait_leaves_on_abort_while_a_peer_is_missing() -> None:
 # --------------------------------------------------------------------------------------------------
 # The GradScaler's skip is known without GradScaler.get_scale() (a host sync per call on CUDA)
 # --------------------------------------------------------------------------------------------------
-
-
-class InfGradOnMarkedRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, marked: bool) -> torch.Tensor:
-        ctx.marked = marked
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (torch.full_like(grad, float("inf")) if ctx.marked else grad), None
 
 
 def inf_on_marked(model: nn.Module, batch: Any) -> torch.Tensor:
