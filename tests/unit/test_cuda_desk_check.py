@@ -24,6 +24,7 @@ from torch import nn
 
 import gsync
 from tests.support.gates import InfGradOnMarkedRows
+from tests.support.rank_threads import in_rank_threads
 from tests.support.models import TiedNet, make_batches, sgd
 from gsync._core.threads import FitAborted
 from gsync._core.base.agreement import AgreedStep, StepFacts
@@ -200,27 +201,13 @@ def _membership(store: dist.Store, rank: int, device: str) -> GroupMembership:
 
 
 def _in_ranks(fn: Callable[[int], Any]) -> list[Any]:
-    """``fn(rank)`` for ranks 0 and 1, each in its own thread (gloo connects them over loopback)."""
-    results: list[Any] = [None, None]
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = ("ok", fn(rank))
-        except BaseException as error:  # noqa: BLE001 - re-raised below
-            results[rank] = ("error", error)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "a rank is still inside a collective"
-    values = []
-    for kind, value in results:
-        if kind == "error":
-            raise value
-        values.append(value)
-    return values
+    """``fn(rank)`` for ranks 0 and 1, each in its own thread (gloo connects them over loopback); a rank's error is
+    raised."""
+    results = in_rank_threads(fn)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def test_a_cuda_membership_gets_a_gloo_host_group_and_a_cpu_one_none() -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gsync._core.sharding import checkpoint as sharded_checkpoint
+from tests.support.rank_threads import in_rank_threads
 from gsync.errors import CheckpointError
 
 SHAPES = [torch.Size([4, 3]), torch.Size([5]), torch.Size([2])]
@@ -56,23 +57,13 @@ def described(rank: int, whole: dict[int, dict[str, torch.Tensor]]) -> tuple[dic
 def in_ranks(job: Callable[[Any], Any]) -> list[Any]:
     """``job(runtime)`` on 2 ranks, each a thread with its own view of one gloo group; each result or error."""
     store = dist.HashStore()
-    results: list[Any] = [None, None]
 
-    def run(rank: int) -> None:
-        try:
-            group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=20))
-            membership = SimpleNamespace(rank=rank, world_size=2, abort=threading.Event(), group=None)
-            results[rank] = job(SimpleNamespace(host=group, membership=membership))
-        except BaseException as error:  # noqa: BLE001 - the test reads it
-            results[rank] = error
+    def run(rank: int) -> Any:
+        group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=20))
+        membership = SimpleNamespace(rank=rank, world_size=2, abort=threading.Event(), group=None)
+        return job(SimpleNamespace(host=group, membership=membership))
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    assert not any(thread.is_alive() for thread in threads), "a rank is still inside a collective"
-    return results
+    return in_rank_threads(run)
 
 
 @pytest.mark.timeout(60)
