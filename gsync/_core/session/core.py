@@ -534,7 +534,7 @@ class SessionCore:
         table[world * count + topology.rank] = count
         runtime = self._peers.runtime
         if runtime is not None:
-            table = await self._collective_job(lambda: runtime.all_reduce(table, "sum"), "joining uneven data")
+            table = await self.collective(lambda: runtime.all_reduce(table, "sum"), "joining uneven data")
         counts = [int(c) for c in table[world * count :].tolist()]
         if any(c != count for c in counts):
             raise ConfigError(
@@ -612,7 +612,8 @@ class SessionCore:
         return parts.context.first_step is not None and parts.server.steps_synced == 0
 
     async def collective(self, job: Callable[[], _T], what: str) -> _T:
-        return await self._collective_job(job, what)  # type: ignore[no-any-return]
+        """``job`` in the communication thread, after anything it already holds, within ``sync_timeout``."""
+        return await self._calls.collective_job(self._parts.server.comm, job, what, self._next_step - 1)  # type: ignore[no-any-return]
 
     def split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
         """This process's devices' rows and shards of one batch."""
@@ -627,9 +628,6 @@ class SessionCore:
 
     def _operation(self) -> contextlib.AbstractAsyncContextManager[None]:
         return self._calls.operation(self.loop_handle())
-
-    async def _collective_job(self, job: Callable[[], Any], what: str) -> Any:
-        return await self._calls.collective_job(self._parts.server.comm, job, what, self._next_step - 1)
 
     # -- between calls --------------------------------------------------------------
 
