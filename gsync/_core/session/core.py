@@ -613,7 +613,7 @@ class SessionCore:
 
     async def collective(self, job: Callable[[], _T], what: str) -> _T:
         """``job`` in the communication thread, after anything it already holds, within ``sync_timeout``."""
-        return await self._calls.collective_job(self._parts.server.comm, job, what, self._next_step - 1)  # type: ignore[no-any-return]
+        return await self._calls.collective_job(self._parts.server.comm, job, what, self.last_step)  # type: ignore[no-any-return]
 
     def split_one(self, batch: Any, rows: int) -> tuple[list[int], list[Any]]:
         """This process's devices' rows and shards of one batch."""

@@ -169,7 +169,7 @@ async def _finish(loop: _FitLoop, session: object, writer: CheckpointWriter | No
         try:
             improved = await loop.evaluate(last)
         except StopTraining:
-            improved = loop.improved_at == last  # training has ended anyway
+            improved = loop.best_at(last)  # training has ended anyway
     core = loop.core
     checkpoint = replace(await _capture(core), data_position=loop.position)
     best_checkpoint = checkpoint
@@ -240,7 +240,6 @@ class _FitLoop:
         """The step of the last evaluation, so the one at the end of the fit is not a second of the same model."""
         self.best: BestSoFar | None = None
         """With ``keep_best``: the best evaluation so far (a resumed run's starts as the run it continues left it)."""
-        self.improved_at: int | None = None
 
     async def _step(self, step: int, batches: list[Any], last: bool) -> StepResult | None:
         """Step ``step``; ``None`` when an elastic run's new membership started past it (its state includes it)."""
@@ -473,15 +472,17 @@ class _FitLoop:
         """The checkpoint of ``step`` for ``best.pt`` when its evaluation is the best so far (and this rank writes)."""
         if self.writer is None or self.validation is None or self.validation.best_metric is None:
             return None
-        improved = self.improved_at == step
-        if checkpoint_gathers(self.core):
-            # Every rank takes part in each gather; one that took its best so far from another best.json than
-            # rank 0 (a directory not shared) must still meet rank 0's gather, so each evaluation takes one.
-            taken = due if due is not None else replace(await _capture(self.core), data_position=self.position)
-            return taken if improved else None
-        if not improved or self.core.rank != 0:
+        improved = self.best_at(step)
+        # Every rank takes part in a sharded run's gather; one that took its best so far from another best.json
+        # than rank 0 (a directory not shared) must still meet rank 0's gather, so each evaluation takes one.
+        if not checkpoint_gathers(self.core) and (not improved or self.core.rank != 0):
             return None
-        return due if due is not None else replace(await _capture(self.core), data_position=self.position)
+        taken = due if due is not None else replace(await _capture(self.core), data_position=self.position)
+        return taken if improved else None
+
+    def best_at(self, step: int) -> bool:
+        """Whether the evaluation after ``step`` is the best so far (a resumed run's best from before is earlier)."""
+        return self.best is not None and self.best.step == step
 
     async def evaluate(self, step: int) -> bool:
         """Validate the model as of ``step`` (every rank: it is a collective), record it and tell the callbacks;
@@ -493,7 +494,8 @@ class _FitLoop:
         :raises ~gsync.ConfigError: when the evaluation has no ``keep_best`` metric (at the first one).
         """
         validation = self.validation
-        assert validation is not None
+        if validation is None:
+            raise RuntimeError("evaluate() on a fit without val_data")  # a bug in gsync: only called with validation
         session = cast(Any, self.session)
         metrics = await session.evaluate(validation.data, metric_fn=validation.metric_fn)
         self.evaluated_step = step
@@ -508,7 +510,6 @@ class _FitLoop:
             value = float(metrics[metric])
             if self.best is None or self.best.beaten_by(value):
                 self.best = BestSoFar(metric, validation.best_mode, step, value, dict(metrics))
-                self.improved_at = step
                 improved = True
         evaluation = Evaluation(step, dict(metrics), best=improved)
         self.evaluations.append(evaluation)
@@ -530,20 +531,22 @@ class _FitLoop:
         leave them (a callback may draw from them: a sampled log line), so
         a run resumed from the file must too.
         """
-        if self.writer is None or self.core.rank != 0:
-            return  # rank 0 writes (every rank took a sharded run's checkpoint with it)
+        if self.writer is None or self.core.rank != 0 or (due is None and (best is None or self.best is None)):
+            return  # rank 0 writes (every rank took a sharded run's checkpoint with it), and only what is due
         generators = self.core.generators() if generators_now else None
+
+        def as_now(checkpoint: Checkpoint) -> Checkpoint:
+            if generators is None or checkpoint.rng_state is None:
+                return checkpoint
+            return replace(checkpoint, rng_state=generators)
+
         # Shielded: a cancellation requested by a callback (or from outside) while the step's callbacks ran
         # must not cost that step's file; handing it over waits at most for the write before it.
         with anyio.CancelScope(shield=True):
             if due is not None:
-                if generators is not None and due.rng_state is not None:
-                    due = replace(due, rng_state=generators)
-                await self.writer.write(due)
+                await self.writer.write(as_now(due))
             if best is not None and self.best is not None:
-                if generators is not None and best.rng_state is not None:
-                    best = replace(best, rng_state=generators)
-                await self.writer.write_best(best, self.best)
+                await self.writer.write_best(as_now(best), self.best)
 
     def _check_position(self) -> None:
         """Before the first step after a checkpoint: the replayed data must end where the checkpoint's did."""
