@@ -81,26 +81,25 @@ class CSVLogger:
         new = [name for name in row if name not in self._columns]
         if new or self._row_at == 0:
             self._columns += new
-            self._rewrite(row)
+            self._rewrite(self._file, row)
         else:
             csv.writer(self._file).writerow([row.get(name, "") for name in self._columns])
         self._row = row
         self._file.flush()
 
-    def _rewrite(self, last: dict[str, Any]) -> None:
-        assert self._file is not None
+    def _rewrite(self, file: TextIO, last: dict[str, Any]) -> None:
         """The whole file again under the widened header (earlier rows leave the new columns empty)."""
         rows: list[dict[str, Any]] = []
         if self._row_at:  # the rows before the last one, as written so far (the last is not in the file)
             with open(self.path, newline="", encoding="utf-8") as handle:
                 rows = list(csv.DictReader(handle))
-        self._file.seek(0)
-        self._file.truncate()
-        writer = csv.writer(self._file)
+        file.seek(0)
+        file.truncate()
+        writer = csv.writer(file)
         writer.writerow(self._columns)
         for row in rows:
             writer.writerow([row.get(name, "") for name in self._columns])
-        self._row_at = self._file.tell()
+        self._row_at = file.tell()
         writer.writerow([last.get(name, "") for name in self._columns])
 
     def finalize(self, status: str) -> None:
