@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,10 +54,16 @@ def first_failure(group: BaseExceptionGroup[Any], late: Sequence[GsyncError] = (
 
 
 def is_cancellation(error: BaseException) -> bool:
-    """Whether ``error`` is a cancellation, or a group of nothing but cancellations."""
+    """Whether ``error`` is a cancellation, or a group of nothing but cancellations (asked outside any async library,
+    as the end of a session is told when it is dropped: asyncio's)."""
     if isinstance(error, BaseExceptionGroup):
         return all(is_cancellation(e) for e in error.exceptions)
-    return isinstance(error, anyio.get_cancelled_exc_class())
+    if isinstance(error, asyncio.CancelledError):
+        return True
+    try:
+        return isinstance(error, anyio.get_cancelled_exc_class())
+    except RuntimeError:  # no async library running (anyio's NoEventLoopError; sniffio's, before anyio 4.10)
+        return False
 
 
 def raised_by_block(errors: BaseExceptionGroup[Any], failure: BaseException | None) -> BaseException:

@@ -8,13 +8,11 @@ training: the loggers are guarded (:mod:`.dispatch`), the counters are sums.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
-
 from ...errors import InputTypeError
+from ..base.outcome import is_cancellation
 from .dispatch import LoggerSet, check_loggers
 from .hyperparams import optimizer_hyperparams, run_hyperparams
 from .process_metrics import PROCESS
@@ -27,18 +25,7 @@ def status_of(error: BaseException | None) -> str:
     """``"success"``, ``"cancelled"`` or ``"failed"``: how a run that raised ``error`` (or nothing) ended."""
     if error is None:
         return "success"
-    return "cancelled" if _is_cancellation(error) else "failed"
-
-
-def _is_cancellation(error: BaseException) -> bool:
-    if isinstance(error, BaseExceptionGroup):
-        return all(_is_cancellation(e) for e in error.exceptions)
-    if isinstance(error, asyncio.CancelledError):
-        return True
-    try:
-        return isinstance(error, anyio.get_cancelled_exc_class())
-    except Exception:  # no async library running: then only asyncio's could have been raised
-        return False
+    return "cancelled" if is_cancellation(error) else "failed"
 
 
 class SessionMonitor:
